@@ -1,0 +1,1 @@
+"""Bucketed CUDA graphs: bucket arithmetic, static buffers, capture and replay. No prompts, no files."""

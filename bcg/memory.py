@@ -1,0 +1,46 @@
+"""Predict the shared graph pool from eager passes, before anything is captured. Pure arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GraphNeed:
+    key: tuple
+    bucket: int
+    peak_bytes: int  # peak allocation of one eager pass above what was live before it (output included)
+    output_bytes: int  # the graph's output, which stays live in the pool between replays
+
+
+def predict_pool_bytes(needs: Sequence[GraphNeed], margin: float) -> int:
+    """Graphs in one pool run one at a time, so their transient memory is reused: the pool needs the
+    largest transient need (times `margin` for allocator rounding and fragmentation) plus every
+    graph's output, which each graph keeps for itself."""
+    if not needs:
+        return 0
+    transient = max(n.peak_bytes - n.output_bytes for n in needs)
+    return int(transient * margin) + sum(n.output_bytes for n in needs)
+
+
+def predict_separate_pools_bytes(needs: Sequence[GraphNeed], margin: float) -> int:
+    """What the same graphs would need with a pool each: every transient need is kept."""
+    return sum(int((n.peak_bytes - n.output_bytes) * margin) + n.output_bytes for n in needs)
+
+
+def check_pool_limit(needs: Sequence[GraphNeed], predicted: int, limit_gib: float | None, margin: float) -> None:
+    """Refuse to start when the prediction exceeds the limit, naming the graphs that need the most."""
+    if limit_gib is None or predicted <= limit_gib * GIB:
+        return
+    worst = sorted(needs, key=lambda n: n.peak_bytes, reverse=True)[:3]
+    names = ", ".join(
+        f"{'x'.join(map(str, n.key))} bucket {n.bucket} ({n.peak_bytes * margin / GIB:.2f} GiB)" for n in worst
+    )
+    raise ValueError(
+        f"predicted graph pool {predicted / GIB:.2f} GiB exceeds bcg.pool_limit_gib={limit_gib}; "
+        f"largest needs: {names}. Raise bcg.pool_limit_gib, drop the largest bucket from bcg.ladder, "
+        "or run these resolutions in a separate job"
+    )

@@ -1,0 +1,45 @@
+"""Engine counters, reported in stats.json under `bcg`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GraphRecord:
+    height: int
+    width: int
+    bucket: int
+    capture_s: float = 0.0
+    pool_bytes_added: int = 0
+    replays: int = 0
+
+
+@dataclass
+class EngineMetrics:
+    active: bool = False
+    reason: str = ""
+    graphs: dict[str, GraphRecord] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    eager_calls: int = 0
+    padded_rows: int = 0
+    dropped: list[str] = field(default_factory=list)
+    predicted_pool_bytes: int = 0
+    pool_bytes: int = 0
+    static_input_bytes: int = 0
+
+    @property
+    def capture_s(self) -> float:
+        return sum(g.capture_s for g in self.graphs.values())
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["graphs_captured"] = len(self.graphs)
+        out["capture_s"] = round(self.capture_s, 4)
+        out["graphs"] = [asdict(g) for g in self.graphs.values()]
+        return out
+
+
+def graph_name(key: tuple, bucket: int) -> str:
+    return "x".join(str(k) for k in key) + f"-b{bucket}"

@@ -1,0 +1,1 @@
+"""Offline dataset generation for diffusion transformers: manifest in, images and metadata out."""

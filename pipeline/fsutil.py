@@ -1,0 +1,36 @@
+"""Files that appear complete or not at all: write under a temporary name, then rename."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TMP_PREFIX = ".tmp-"
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    tmp = _tmp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_table(path: str | os.PathLike, table: pa.Table) -> None:
+    path = Path(path)
+    tmp = _tmp_path(path)
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,113 @@
+"""Plan: which items run together, at which resolution and ladder bucket. Pure, no torch.
+
+Rules (the plan is a pure function of the items and the arguments: same input, same plan, keys
+included):
+1. Group items by (height, width); groups run in ascending (height, width) order.
+2. Within a group items keep manifest order (by `row`; equal rows keep their input order).
+3. A group of n items is split by `bcg.buckets.split_sizes`: full batches of the largest bucket,
+   then the remainder covered at the least predicted cost, with that resolution's cost table
+   (`costs[(h, w)]` where given, else `linear_costs(ladder, batch_overhead_rows)`).
+4. A batch's key is `f"{height}x{width}-{ordinal:06d}-b{bucket}"`, ordinal counting the batches of
+   its resolution from 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Mapping, Sequence
+
+from bcg.buckets import linear_costs, parse_ladder, split_sizes
+from pipeline.manifest import Item
+
+
+@dataclass(frozen=True)
+class Batch:
+    key: str
+    height: int
+    width: int
+    bucket: int  # ladder bucket the batch runs at
+    items: tuple[Item, ...]  # real rows, 1..bucket of them, all at (height, width)
+
+    def __post_init__(self) -> None:
+        assert 1 <= len(self.items) <= self.bucket, (self.key, len(self.items))
+        assert all((it.height, it.width) == (self.height, self.width) for it in self.items), self.key
+
+    @property
+    def padded_rows(self) -> int:
+        return self.bucket - len(self.items)
+
+
+@dataclass(frozen=True)
+class Plan:
+    batches: tuple[Batch, ...]
+    ladder: tuple[int, ...]
+
+    @property
+    def items(self) -> int:
+        """Real rows over all batches."""
+        return sum(len(b.items) for b in self.batches)
+
+    @property
+    def padded_rows(self) -> int:
+        return sum(b.padded_rows for b in self.batches)
+
+    def by_resolution(self) -> dict[tuple[int, int], int]:
+        """Items per (height, width)."""
+        counts: Counter[tuple[int, int]] = Counter()
+        for b in self.batches:
+            counts[(b.height, b.width)] += len(b.items)
+        return dict(counts)
+
+    def by_bucket(self) -> dict[int, int]:
+        """Batches per bucket."""
+        return dict(Counter(b.bucket for b in self.batches))
+
+    def resolutions(self) -> list[tuple[int, int]]:
+        """Distinct (height, width), ascending."""
+        return sorted({(b.height, b.width) for b in self.batches})
+
+
+def make_plan(
+    items: Sequence[Item],
+    ladder: Sequence[int],
+    batch_overhead_rows: float = 1.0,
+    costs: Mapping[tuple[int, int], Mapping[int, float]] | None = None,
+) -> Plan:
+    """Split `items` into batches of one resolution and one ladder bucket (rules in the module doc).
+
+    `costs` maps (height, width) to a cost per bucket, e.g. measured step times; resolutions it
+    does not name use the linear model with `batch_overhead_rows`.
+    """
+    ladder = parse_ladder(ladder)
+    default_costs = linear_costs(ladder, batch_overhead_rows)
+    costs = costs or {}
+
+    def resolution(it: Item) -> tuple[int, int]:
+        return (it.height, it.width)
+
+    # sorted() is stable, so equal rows keep their input order.
+    ordered = sorted(items, key=lambda it: (resolution(it), it.row))
+    batches: list[Batch] = []
+    for (h, w), group_iter in groupby(ordered, key=resolution):
+        group = list(group_iter)
+        table = costs.get((h, w), default_costs)
+        try:
+            sizes = split_sizes(len(group), ladder, table)
+        except ValueError as e:
+            raise ValueError(f"costs for resolution {h}x{w}: {e}") from e
+        start = 0
+        for ordinal, (bucket, rows) in enumerate(sizes):
+            batches.append(
+                Batch(
+                    key=f"{h}x{w}-{ordinal:06d}-b{bucket}",
+                    height=h,
+                    width=w,
+                    bucket=bucket,
+                    items=tuple(group[start : start + rows]),
+                )
+            )
+            start += rows
+        assert start == len(group), (h, w, start, len(group))
+    return Plan(batches=tuple(batches), ladder=ladder)

@@ -1,0 +1,23 @@
+"""Numerics flags, set once before any model runs and recorded in stats.json."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def apply_precision(dtype: str, tf32: bool, cudnn_benchmark: bool) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    return {"dtype": dtype, "tf32": tf32, "cudnn_benchmark": cudnn_benchmark}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("runtime.device=cuda but no CUDA device is available; use runtime.device=auto or cpu")
+    return torch.device(name)

@@ -1,0 +1,45 @@
+"""Prompt encoding with a bounded cache keyed by prompt text.
+
+The text encoder always sees chunks of exactly `chunk` prompts (short chunks are padded with the
+empty prompt), so a prompt's embedding is the same whichever prompts it was encoded with.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+
+EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+
+
+class PromptCache:
+    def __init__(self, encode: EncodeFn, chunk: int, capacity: int):
+        if chunk < 1 or capacity < 1:
+            raise ValueError(f"prompt chunk ({chunk}) and cache capacity ({capacity}) must be >= 1")
+        self.encode = encode
+        self.chunk = chunk
+        self.capacity = capacity
+        self.cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.hits = 0
+        self.encoded = 0
+
+    def get(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompts (N) -> embeddings [N, L, D], mask [N, L]."""
+        missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
+        self.hits += len(prompts) - len(missing)
+        for start in range(0, len(missing), self.chunk):
+            self._encode_chunk(missing[start : start + self.chunk])
+        rows = [self.cache[p] for p in prompts]
+        for p in prompts:
+            self.cache.move_to_end(p)
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+        return torch.stack([e for e, _ in rows]), torch.stack([m for _, m in rows])
+
+    def _encode_chunk(self, prompts: list[str]) -> None:
+        emb, mask = self.encode(prompts + [""] * (self.chunk - len(prompts)))
+        for i, p in enumerate(prompts):
+            self.cache[p] = (emb[i], mask[i])
+        self.encoded += len(prompts)

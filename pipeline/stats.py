@@ -1,0 +1,94 @@
+"""Run-level statistics: counted during the job, written once as stats.json at the end."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+STAGES = ("encode", "noise", "denoise", "decode")
+LIBRARIES = ("torch", "diffusers", "transformers", "hydra-core", "omegaconf", "pyarrow", "numpy", "pillow")
+
+
+class StageTimer:
+    """Times the stages of one batch. On CUDA it records events (no host sync); `seconds()` reads
+    them once the batch's results have been waited for."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, tuple] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.marks[name] = (start, end)
+
+    def seconds(self) -> dict[str, float]:
+        if self.cuda:
+            return {k: s.elapsed_time(e) / 1000 for k, (s, e) in self.marks.items()}
+        return {k: e - s for k, (s, e) in self.marks.items()}
+
+
+@dataclass
+class RunStats:
+    planned: int = 0
+    invalid: int = 0
+    ok: int = 0
+    failed: int = 0
+    batches: int = 0
+    padded_rows: int = 0
+    stage_s: Counter = field(default_factory=Counter)
+    per_resolution: Counter = field(default_factory=Counter)
+    per_bucket: Counter = field(default_factory=Counter)
+    started: float = field(default_factory=time.perf_counter)
+    generate_started: float | None = None
+
+    def add_batch(self, height: int, width: int, bucket: int, real: int, ok: int, stages: dict[str, float]) -> None:
+        self.batches += 1
+        self.ok += ok
+        self.failed += real - ok
+        self.padded_rows += bucket - real
+        self.per_resolution[f"{height}x{width}"] += real
+        self.per_bucket[str(bucket)] += 1
+        self.stage_s.update(stages)
+
+    def to_dict(self) -> dict:
+        now = time.perf_counter()
+        generate_s = now - (self.generate_started or now)
+        return {
+            "images": {"planned": self.planned, "ok": self.ok, "failed": self.failed, "invalid": self.invalid},
+            "batches": self.batches,
+            "padded_rows": self.padded_rows,
+            "wall_s": round(now - self.started, 4),
+            "generate_s": round(generate_s, 4),
+            "images_per_s": round(self.ok / generate_s, 4) if generate_s > 0 else None,
+            "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
+            "per_resolution": dict(sorted(self.per_resolution.items())),
+            "batches_per_bucket": dict(sorted(self.per_bucket.items(), key=lambda kv: int(kv[0]))),
+        }
+
+
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    if torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda or ""
+        out["gpu"] = torch.cuda.get_device_name()
+    return out

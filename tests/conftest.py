@@ -1,0 +1,62 @@
+"""Shared test helpers: configs composed from conf/ with tiny CPU overrides, manifests, outputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from PIL import Image
+
+from pipeline.config import JobConfig, register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+register_configs()
+
+
+def job_config(*overrides: str) -> JobConfig:
+    """The config `python -m pipeline.run <overrides>` would get, as the typed dataclass."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def cpu_job(manifest: Path, out: Path, *overrides: str) -> JobConfig:
+    return job_config(
+        f"manifest.path={manifest}", f"output.dir={out}", "precision=fp32", "runtime.device=cpu",
+        "runtime.progress=false", "sampler.steps=4", *overrides,
+    )
+
+
+def write_manifest(path: Path, rows: list[dict], schema: pa.Schema | None = None) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def rows(*specs: tuple[str, int, int, int], prompt: str = "a photo of a cat") -> list[dict]:
+    """(id, width, height, seed) -> manifest rows with one prompt."""
+    return [{"id": i, "prompt": f"{prompt} {i}", "width": w, "height": h, "seed": s} for i, w, h, s in specs]
+
+
+def png(path: Path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

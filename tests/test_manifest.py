@@ -1,0 +1,411 @@
+"""Manifest reading and validation: what a user with a bad file reads, what a clean file gives."""
+
+from __future__ import annotations
+
+import json
+import math
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.manifest import (
+    BadRow,
+    Item,
+    ManifestError,
+    errors_table,
+    format_bad_rows,
+    read_manifest,
+)
+
+GRANULARITY = 16
+MAX_SIDE = 2048
+
+# Two good rows; tests replace whole columns to make row 1 bad in one way.
+BASE: dict[str, list[Any]] = {
+    "id": ["cat_01", "dog_02"],
+    "prompt": ["a cat on a mat", "a dog in fog"],
+    "width": [512, 256],
+    "height": [512, 768],
+    "seed": [0, 7],
+}
+
+
+def write(tmp_path: Path, columns: dict[str, Any], name: str = "manifest.parquet") -> Path:
+    path = tmp_path / name
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def read(path: Path) -> tuple[list[Item], list[BadRow]]:
+    return read_manifest(path, granularity=GRANULARITY, max_side=MAX_SIDE)
+
+
+def read_columns(tmp_path: Path, **overrides: Any) -> tuple[list[Item], list[BadRow]]:
+    return read(write(tmp_path, {**BASE, **overrides}))
+
+
+# ---- clean manifests ------------------------------------------------------------------------
+
+
+def test_clean_manifest_gives_items_in_order_with_extras(tmp_path: Path) -> None:
+    items, bad = read_columns(
+        tmp_path,
+        id=["b_second_alphabetically", "a_first", "c"],
+        prompt=["p0", "p1", "p2"],
+        width=[512, 256, 1024],
+        height=[512, 768, 2048],
+        seed=[3, 2**63 - 1, 0],
+        style=["oil", None, "ink"],
+        score=[0.5, 1.0, 2.5],
+    )
+    assert bad == []
+    assert items == [
+        Item("b_second_alphabetically", "p0", None, 512, 512, 3, 0, {"style": "oil", "score": 0.5}),
+        Item("a_first", "p1", None, 256, 768, 2**63 - 1, 1, {"style": None, "score": 1.0}),
+        Item("c", "p2", None, 1024, 2048, 0, 2, {"style": "ink", "score": 2.5}),
+    ]
+
+
+def test_items_without_extra_columns_get_their_own_empty_dict(tmp_path: Path) -> None:
+    items, _ = read_columns(tmp_path)
+    assert [item.extra for item in items] == [{}, {}]
+    assert items[0].extra is not items[1].extra
+    assert len({items[0], items[1]}) == 2  # hashable despite the dict field
+
+
+def test_negative_prompt_null_cells_mean_default(tmp_path: Path) -> None:
+    items, bad = read_columns(tmp_path, negative_prompt=["blurry", None])
+    assert bad == []
+    assert [item.negative_prompt for item in items] == ["blurry", None]
+    assert all("negative_prompt" not in item.extra for item in items)
+
+
+def test_all_null_negative_prompt_column_is_accepted(tmp_path: Path) -> None:
+    items, bad = read_columns(tmp_path, negative_prompt=pa.nulls(2))
+    assert bad == []
+    assert [item.negative_prompt for item in items] == [None, None]
+
+
+def test_other_arrow_types_that_hold_the_same_values_are_accepted(tmp_path: Path) -> None:
+    items, bad = read_columns(
+        tmp_path,
+        id=pa.array(BASE["id"], pa.large_string()),
+        prompt=pa.array(BASE["prompt"]).dictionary_encode(),  # what a pandas categorical becomes
+        width=pa.array([512.0, 256.0], pa.float64()),  # pandas int column with a gap becomes float
+        height=pa.array(BASE["height"], pa.int16()),
+        seed=pa.array(BASE["seed"], pa.uint64()),
+    )
+    assert bad == []
+    assert [(i.id, i.prompt, i.width, i.height, i.seed) for i in items] == [
+        ("cat_01", "a cat on a mat", 512, 512, 0),
+        ("dog_02", "a dog in fog", 256, 768, 7),
+    ]
+    assert all(type(item.width) is int for item in items)
+
+
+def test_boundary_values_are_accepted(tmp_path: Path) -> None:
+    items, bad = read_columns(
+        tmp_path,
+        id=["x" * 128, "café.猫 v2"],
+        width=[MAX_SIDE, GRANULARITY],
+        seed=[0, 2**63 - 1],
+    )
+    assert bad == []
+    assert [item.id for item in items] == ["x" * 128, "café.猫 v2"]
+
+
+def test_pandas_index_column_is_not_carried_as_an_extra(tmp_path: Path) -> None:
+    table = pa.table({**BASE, "__index_level_0__": [10, 11], "style": ["a", "b"]})
+    pandas_meta = {"index_columns": ["__index_level_0__"], "columns": []}
+    table = table.replace_schema_metadata({b"pandas": json.dumps(pandas_meta).encode()})
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path)
+    items, _ = read(path)
+    assert [item.extra for item in items] == [{"style": "a"}, {"style": "b"}]
+
+
+# ---- one bad cell, one named reason ---------------------------------------------------------
+
+ROW_CASES = [
+    # column, bad value in row 1, arrow type, fragments the reason must contain, BadRow.id
+    ("id", None, pa.string(), ["id is missing"], None),
+    ("id", "", pa.string(), ["id is empty"], None),
+    ("id", "x" * 129, pa.string(), ["129 characters", "limit is 128"], "x" * 129),
+    ("id", "cats/01", pa.string(), ["id 'cats/01'", "path separator"], "cats/01"),
+    ("id", "cats\\01", pa.string(), ["path separator"], "cats\\01"),
+    ("id", ".", pa.string(), ["id '.'", "not a usable file name"], "."),
+    ("id", "..", pa.string(), ["id '..'", "not a usable file name"], ".."),
+    ("id", "a..b", pa.string(), ["id 'a..b'", "contains '..'"], "a..b"),
+    ("id", "a\x00b", pa.string(), ["control character '\\x00'"], "a\x00b"),
+    ("id", "a\nb", pa.string(), ["control character '\\n'"], "a\nb"),
+    ("id", "a\x85b", pa.string(), ["control character '\\x85'"], "a\x85b"),
+    ("prompt", None, pa.string(), ["prompt is missing"], "dog_02"),
+    ("prompt", "", pa.string(), ["prompt is empty"], "dog_02"),
+    ("prompt", " \t\n", pa.string(), ["prompt is only whitespace"], "dog_02"),
+    ("seed", None, pa.int64(), ["seed is missing"], "dog_02"),
+    ("seed", -3, pa.int64(), ["seed -3 is negative", "0 to 2**63-1"], "dog_02"),
+    ("seed", 2**63, pa.uint64(), [f"seed {2**63} is above", str(2**63 - 1)], "dog_02"),
+    ("seed", 1.5, pa.float64(), ["seed 1.5 is not an integer"], "dog_02"),
+    ("width", None, pa.int64(), ["width is missing"], "dog_02"),
+    ("width", 64.5, pa.float64(), ["width 64.5 is not an integer"], "dog_02"),
+    ("width", math.nan, pa.float64(), ["width nan is not an integer"], "dog_02"),
+    ("width", math.inf, pa.float64(), ["width inf is not an integer"], "dog_02"),
+    ("width", 0, pa.int64(), ["width 0 is not positive"], "dog_02"),
+    ("width", -16, pa.int32(), ["width -16 is not positive"], "dog_02"),
+    ("width", 100, pa.int64(), ["width 100 is not a multiple of 16"], "dog_02"),
+    ("width", 4096, pa.int64(), ["width 4096 is above the model's maximum 2048"], "dog_02"),
+    ("height", None, pa.int64(), ["height is missing"], "dog_02"),
+    ("height", 100.0, pa.float32(), ["height 100 is not a multiple of 16"], "dog_02"),
+    ("height", 4096, pa.int64(), ["height 4096 is above the model's maximum 2048"], "dog_02"),
+]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "arrow_type", "fragments", "bad_id"),
+    ROW_CASES,
+    ids=[f"{case[0]}={case[1]!r:.20}" for case in ROW_CASES],
+)
+def test_each_bad_cell_is_named_with_its_reason(
+    tmp_path: Path,
+    column: str,
+    value: Any,
+    arrow_type: pa.DataType,
+    fragments: list[str],
+    bad_id: str | None,
+) -> None:
+    cells = pa.array([BASE[column][0], value], arrow_type)
+    items, bad = read_columns(tmp_path, **{column: cells})
+    assert [item.row for item in items] == [0]
+    assert len(bad) == 1
+    assert (bad[0].row, bad[0].id) == (1, bad_id)
+    assert len(bad[0].reasons) == 1, bad[0].reasons
+    for fragment in fragments:
+        assert fragment in bad[0].reasons[0]
+
+
+def test_every_unicode_control_character_is_refused_and_nothing_else(tmp_path: Path) -> None:
+    # The check is a fast character range; this pins it to Unicode's own category Cc.
+    control = [chr(c) for c in range(0x3000) if unicodedata.category(chr(c)) == "Cc"]
+    others = [chr(c) for c in range(0x3000) if unicodedata.category(chr(c)) != "Cc"]
+    others = [ch for ch in others if ch not in "/\\."]
+    ids = [f"a{ch}b" for ch in control + others]
+    n = len(ids)
+    items, bad = read_columns(
+        tmp_path, id=ids, prompt=["p"] * n, width=[16] * n, height=[16] * n, seed=[1] * n
+    )
+    assert len(control) == 65
+    assert [row.row for row in bad] == list(range(len(control)))
+    assert all("control character" in row.reasons[0] for row in bad)
+    assert len(items) == len(others)
+
+
+# ---- many bad rows, one report --------------------------------------------------------------
+
+
+def test_a_row_reports_all_its_reasons_in_column_order(tmp_path: Path) -> None:
+    _, bad = read_columns(
+        tmp_path,
+        id=["ok", "a/b"],
+        prompt=["p", ""],
+        width=[16, 2050],
+        height=[16, 4096],
+        seed=[1, -1],
+    )
+    assert bad == [
+        BadRow(
+            1,
+            "a/b",
+            (
+                "id 'a/b' contains a path separator ('/' or '\\'), not allowed in a file name",
+                "prompt is empty",
+                "width 2050 is not a multiple of 16",
+                "width 2050 is above the model's maximum 2048",
+                "height 4096 is above the model's maximum 2048",
+                "seed -1 is negative (accepted: 0 to 2**63-1)",
+            ),
+        )
+    ]
+
+
+def test_several_bad_rows_are_reported_in_one_message(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        {
+            "id": ["ok_0", "cat_01", "ok_2", "dog_03", None],
+            "prompt": ["p", "", "p", "p", "p"],
+            "width": [512, 512, 512, 100, 512],
+            "height": [512, 512, 512, 512, 512],
+            "seed": [0, -3, 0, 0, 0],
+        },
+    )
+    items, bad = read(path)
+    assert [item.id for item in items] == ["ok_0", "ok_2"]
+    assert format_bad_rows(bad, source=str(path)) == "\n".join(
+        [
+            f"{path} has 3 bad row(s):",
+            "  row 1 (id 'cat_01'): prompt is empty; seed -3 is negative (accepted: 0 to 2**63-1)",
+            "  row 3 (id 'dog_03'): width 100 is not a multiple of 16",
+            "  row 4 (no valid id): id is missing",
+        ]
+    )
+
+
+def test_duplicates_after_the_first_are_bad_and_name_the_first_row(tmp_path: Path) -> None:
+    n = 5
+    items, bad = read_columns(
+        tmp_path,
+        id=["a", "b", "a", "b", "a"],
+        prompt=["p"] * n,
+        width=[16] * n,
+        height=[16] * n,
+        seed=list(range(n)),
+    )
+    assert [(item.id, item.row) for item in items] == [("a", 0), ("b", 1)]
+    assert bad == [
+        BadRow(2, "a", ("duplicate id 'a' (first at row 0)",)),
+        BadRow(3, "b", ("duplicate id 'b' (first at row 1)",)),
+        BadRow(4, "a", ("duplicate id 'a' (first at row 0)",)),
+    ]
+
+
+def test_a_very_long_bad_id_is_shown_cut(tmp_path: Path) -> None:
+    long_id = "y" * 10_000
+    _, bad = read_columns(tmp_path, id=["ok", long_id])
+    line = format_bad_rows(bad).splitlines()[1]
+    assert "10000 characters" in line
+    assert len(line) < 400
+
+
+# ---- whole-file problems --------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.parquet"
+    with pytest.raises(ManifestError, match="not found") as info:
+        read(path)
+    assert str(path) in str(info.value)
+
+
+def test_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="is a directory") as info:
+        read(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize("content", [b"id,prompt\nx,y\n" * 20, b""], ids=["csv", "empty"])
+def test_not_a_parquet_file(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "manifest.parquet"
+    path.write_bytes(content)
+    with pytest.raises(ManifestError, match="not a readable Parquet file") as info:
+        read(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_required_columns_are_named_with_the_required_set(tmp_path: Path) -> None:
+    columns = {k: v for k, v in BASE.items() if k not in ("prompt", "seed")}
+    path = write(tmp_path, {**columns, "Seed": [1, 2]})
+    with pytest.raises(ManifestError) as info:
+        read(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "missing required column(s) prompt, seed" in message
+    assert "needs id, prompt, width, height, seed" in message
+    assert "found: id, width, height, Seed" in message
+
+
+def test_wrong_column_types_are_all_named_with_found_and_accepted_type(tmp_path: Path) -> None:
+    path = write(tmp_path, {**BASE, "id": [1, 2], "seed": ["1", "2"], "negative_prompt": [0, 1]})
+    with pytest.raises(ManifestError) as info:
+        read(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "column 'id' has type int64; accepted: string or large_string" in message
+    assert "column 'seed' has type string; accepted: an integer type" in message
+    assert "column 'negative_prompt' has type int64" in message
+
+
+def test_boolean_width_is_a_type_error(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="column 'width' has type bool"):
+        read_columns(tmp_path, width=[True, False])
+
+
+def test_repeated_column_names_are_named(tmp_path: Path) -> None:
+    table = pa.table(BASE)
+    table = table.append_column("prompt", pa.array(["again", "again"]))
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(ManifestError, match="appear more than once: prompt"):
+        read(path)
+
+
+def test_zero_rows(tmp_path: Path) -> None:
+    schema = pa.schema(
+        [("id", pa.string()), ("prompt", pa.string())]
+        + [(name, pa.int64()) for name in ("width", "height", "seed")]
+    )
+    path = tmp_path / "m.parquet"
+    pq.write_table(schema.empty_table(), path)
+    with pytest.raises(ManifestError, match="manifest has no rows") as info:
+        read(path)
+    assert str(path) in str(info.value)
+
+
+def test_model_limits_must_be_positive(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE)
+    with pytest.raises(ValueError, match="granularity") as info:
+        read_manifest(path, granularity=0, max_side=MAX_SIDE)
+    assert not isinstance(info.value, ManifestError)  # a programming error, not the user's file
+
+
+# ---- reporting ------------------------------------------------------------------------------
+
+
+def test_errors_table_has_one_row_per_bad_row() -> None:
+    bad = [
+        BadRow(3, "cat_01", ("prompt is empty", "seed -3 is negative")),
+        BadRow(9, None, ("id is missing",)),
+    ]
+    table = errors_table(bad)
+    assert table.schema.names == ["row", "id", "reason"]
+    assert table.schema.field("row").type == pa.int64()
+    assert table.schema.field("id").type == pa.string()
+    assert table.schema.field("id").nullable
+    assert table.to_pylist() == [
+        {"row": 3, "id": "cat_01", "reason": "prompt is empty; seed -3 is negative"},
+        {"row": 9, "id": None, "reason": "id is missing"},
+    ]
+
+
+def test_errors_table_of_nothing_keeps_its_schema() -> None:
+    table = errors_table([])
+    assert table.num_rows == 0
+    assert table.schema.names == ["row", "id", "reason"]
+
+
+def _many_bad(n: int) -> list[BadRow]:
+    return [BadRow(row, f"id_{row}", ("prompt is empty",)) for row in range(n)]
+
+
+def test_format_bad_rows_is_cut_at_the_limit() -> None:
+    lines = format_bad_rows(_many_bad(120), limit=50).splitlines()
+    assert lines[0] == "manifest has 120 bad row(s):"
+    assert lines[1] == "  row 0 (id 'id_0'): prompt is empty"
+    assert lines[50] == "  row 49 (id 'id_49'): prompt is empty"
+    assert lines[51] == "  ... and 70 more"
+    assert len(lines) == 52
+
+
+def test_format_bad_rows_at_exactly_the_limit_is_not_cut() -> None:
+    lines = format_bad_rows(_many_bad(3), limit=3).splitlines()
+    assert len(lines) == 4
+    assert "more" not in lines[-1]
+
+
+def test_format_bad_rows_default_limit_is_fifty() -> None:
+    lines = format_bad_rows(_many_bad(1000)).splitlines()
+    assert len(lines) == 52
+    assert lines[-1] == "  ... and 950 more"
