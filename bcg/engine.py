@@ -1,7 +1,8 @@
 """The BCG engine: one CUDA graph per (resolution, ladder bucket), captured at warm-up into one pool.
 
 `fn` maps a dict of batch-first tensors to one batch-first output tensor and must be graph-safe: no
-host syncs, no Python values that change between calls (they go in as tensors). The engine owns the
+host syncs, no Python values that change between calls (they go in as tensors). `specs(key)` says
+which inputs `fn` takes at a shape key (per-row shape, dtype, padding value). The engine owns the
 static buffers, captures, replays, pads and counts. With graphs off (no CUDA, or `enabled=False`)
 the very same `fn` runs eagerly on the same padded rows, so a batch's result does not depend on
 whether graphs are on.
@@ -12,19 +13,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from bcg.buckets import parse_ladder, pick_bucket
 from bcg.buffers import InputSpec, StaticInputs, pad_rows
-from bcg.memory import GraphNeed, check_pool_limit, predict_pool_bytes
+from bcg.memory import GraphNeed, check_pool_limit, predict_pool_bytes, predict_separate_pools_bytes
 from bcg.metrics import EngineMetrics, GraphRecord, graph_name
 
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 ShapeKey = tuple[int, int]  # (height, width)
+SpecFn = Callable[[ShapeKey], dict[str, InputSpec]]
 
 
 @dataclass
@@ -45,6 +47,7 @@ class BCGEngine:
     def __init__(
         self,
         fn: StepFn,
+        specs: SpecFn,
         ladder: Sequence[int],
         device: torch.device,
         *,
@@ -55,6 +58,7 @@ class BCGEngine:
         pool_margin: float = 1.3,
     ):
         self.fn = fn
+        self.spec_fn = specs
         self.ladder = parse_ladder(ladder)
         self.device = torch.device(device)
         self.warmup = warmup
@@ -66,6 +70,7 @@ class BCGEngine:
         self.static: dict[ShapeKey, StaticInputs] = {}
         self.graphs: dict[tuple[ShapeKey, int], Graph] = {}
         self._missed: set[tuple[ShapeKey, int]] = set()
+        self._needs: dict[tuple[ShapeKey, int], GraphNeed] = {}
         self._flags: dict[str, bool] | None = None
         self.pool = None
         if not enabled:
@@ -81,25 +86,28 @@ class BCGEngine:
 
     # ---- warm-up and capture -------------------------------------------------------------------
 
-    def capture_all(self, shapes: Mapping[ShapeKey, dict[str, InputSpec]]) -> None:
-        """Register every resolution's inputs; with graphs on, predict the pool, then capture every
-        (resolution, bucket), largest bucket first, into one shared pool."""
-        self.specs.update(shapes)
+    def capture_all(self, keys: Iterable[ShapeKey]) -> None:
+        """With graphs on: warm up, predict the shared pool (refusing to start above
+        `pool_limit_gib`), then capture every (key, bucket), largest bucket first, into one pool."""
+        keys = list(dict.fromkeys(keys))
         if not self.metrics.active:
             return
         self._flags = precision_flags()
-        for key in shapes:
-            self.static[key] = StaticInputs.allocate(shapes[key], self.ladder[-1], self.device)
-        self.metrics.static_input_bytes = sum(s.nbytes for s in self.static.values())
-        needs = [self._measure(key, b) for b in reversed(self.ladder) for key in shapes]
+        for key in keys:
+            self._allocate(key)
+        start = time.perf_counter()
+        needs = [self._measure(key, b) for b in reversed(self.ladder) for key in keys]
+        self.metrics.warmup_s += time.perf_counter() - start
         predicted = predict_pool_bytes(needs, self.pool_margin)
         check_pool_limit(needs, predicted, self.pool_limit_gib, self.pool_margin)
         self.metrics.predicted_pool_bytes = predicted
+        self.metrics.predicted_separate_pools_bytes = predict_separate_pools_bytes(needs, self.pool_margin)
+        self._needs.update({(n.key, n.bucket): n for n in needs})
         self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved(self.device)
         for b in reversed(self.ladder):
-            for key in shapes:
+            for key in keys:
                 self._capture(key, b)
         self.metrics.pool_bytes = torch.cuda.memory_reserved(self.device) - base
         log.info(
@@ -107,9 +115,16 @@ class BCGEngine:
             len(self.graphs), self.metrics.capture_s, self.metrics.pool_bytes / 2**20, predicted / 2**20,
         )
 
+    def _allocate(self, key: ShapeKey) -> None:
+        self.specs[key] = self.spec_fn(key)
+        self.static[key] = StaticInputs.allocate(self.specs[key], self.ladder[-1], self.device)
+        self.metrics.static_input_bytes = sum(s.nbytes for s in self.static.values())
+
     @torch.no_grad()
     def _measure(self, key: ShapeKey, bucket: int) -> GraphNeed:
-        """Eager passes on a side stream: warm-up (lazy init, autotuning) and the peak transient memory."""
+        """Eager passes on a side stream: warm-up (lazy init, autotuning), then one pass from an
+        empty cache whose peak *reserved* growth is the graph's need: segments as the allocator
+        rounds them, which is what a pool holds, not just the bytes of the tensors."""
         inputs = self.static[key].view(bucket)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -117,13 +132,15 @@ class BCGEngine:
             for _ in range(max(self.warmup - 1, 0)):
                 self.fn(inputs)
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
+            before = torch.cuda.memory_reserved(self.device)
             out = self.fn(inputs)
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - before
+            peak = torch.cuda.max_memory_reserved(self.device) - before
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        return GraphNeed(key, bucket, peak_bytes=peak, output_bytes=out.numel() * out.element_size())
+        out_bytes = out.numel() * out.element_size()
+        return GraphNeed(key, bucket, peak_bytes=max(peak, out_bytes), output_bytes=out_bytes)
 
     @torch.no_grad()
     def _capture(self, key: ShapeKey, bucket: int) -> None:
@@ -142,10 +159,12 @@ class BCGEngine:
             return
         torch.cuda.synchronize(self.device)
         self.graphs[(key, bucket)] = Graph(graph, output)
+        need = self._needs.get((key, bucket))
         self.metrics.graphs[name] = GraphRecord(
             key[0], key[1], bucket,
             capture_s=time.perf_counter() - start,
             pool_bytes_added=torch.cuda.memory_reserved(self.device) - before,
+            eager_peak_bytes=need.peak_bytes if need else 0,
         )
 
     # ---- replay ----------------------------------------------------------------------------------
@@ -154,13 +173,11 @@ class BCGEngine:
     def run(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """n real rows of `inputs` (each [n, ...]) -> fn's output for those rows, [n, ...], a tensor
         the caller owns. The rows run at the smallest ladder bucket >= n, padded with fixed values."""
-        if key not in self.specs:
-            raise KeyError(f"resolution {key} was not registered with capture_all (registered: {sorted(self.specs)})")
         bucket = pick_bucket(self.ladder, n)
         self.metrics.padded_rows += bucket - n
         graph = self.graphs.get((key, bucket))
         if graph is None and self.metrics.active and self.lazy:
-            self._capture(key, bucket)
+            self._capture_late(key, bucket)
             graph = self.graphs.get((key, bucket))
         if graph is None:
             return self._run_eager(key, inputs, n, bucket)
@@ -175,7 +192,24 @@ class BCGEngine:
         self.metrics.graphs[graph_name(key, bucket)].replays += 1
         return graph.output[:n].clone()
 
+    def _capture_late(self, key: ShapeKey, bucket: int) -> None:
+        """`lazy=True` only: a (key, bucket) first seen during the run is warmed up and captured now."""
+        if self._flags is None:
+            self._flags = precision_flags()
+        if key not in self.static:
+            self._allocate(key)
+        start = time.perf_counter()
+        self._needs[(key, bucket)] = self._measure(key, bucket)
+        self.metrics.warmup_s += time.perf_counter() - start
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_reserved(self.device)
+        self._capture(key, bucket)
+        self.metrics.pool_bytes += torch.cuda.memory_reserved(self.device) - before
+        log.info("BCG: captured %s during the run (bcg.lazy=true)", graph_name(key, bucket))
+
     def _run_eager(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int, bucket: int) -> torch.Tensor:
+        if key not in self.specs:
+            self.specs[key] = self.spec_fn(key)
         self.metrics.eager_calls += 1
         if self.metrics.active:
             self.metrics.misses += 1
@@ -183,6 +217,12 @@ class BCGEngine:
                 self._missed.add((key, bucket))
                 log.warning("BCG: no graph for %s; running it eagerly (counted as a miss)", graph_name(key, bucket))
         return self.fn(pad_rows(self.specs[key], inputs, n, bucket))[:n]
+
+    def __enter__(self) -> "BCGEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Release graphs, static buffers and the pool before the process exits."""

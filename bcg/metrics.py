@@ -12,6 +12,7 @@ class GraphRecord:
     bucket: int
     capture_s: float = 0.0
     pool_bytes_added: int = 0
+    eager_peak_bytes: int = 0  # measured before capture; what the pool prediction is built from
     replays: int = 0
 
 
@@ -25,7 +26,9 @@ class EngineMetrics:
     eager_calls: int = 0
     padded_rows: int = 0
     dropped: list[str] = field(default_factory=list)
+    warmup_s: float = 0.0  # warm-up and measuring passes before capture
     predicted_pool_bytes: int = 0
+    predicted_separate_pools_bytes: int = 0  # the same graphs with a pool each, for comparison
     pool_bytes: int = 0
     static_input_bytes: int = 0
 
@@ -37,6 +40,7 @@ class EngineMetrics:
         out = asdict(self)
         out["graphs_captured"] = len(self.graphs)
         out["capture_s"] = round(self.capture_s, 4)
+        out["warmup_s"] = round(self.warmup_s, 4)
         out["graphs"] = [asdict(g) for g in self.graphs.values()]
         return out
 

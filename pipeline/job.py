@@ -73,6 +73,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
     adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
     engine = BCGEngine(
         adapter.guided_eps,
+        lambda key: adapter.input_specs(*key),
         cfg.bcg.ladder,
         device,
         enabled=cfg.bcg.enabled,
@@ -81,7 +82,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
         pool_limit_gib=cfg.bcg.pool_limit_gib,
         pool_margin=cfg.bcg.pool_margin,
     )
-    engine.capture_all({res: adapter.input_specs(*res) for res in plan.resolutions()})
+    engine.capture_all(plan.resolutions())
     prompts = PromptCache(adapter.encode, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES)
     writer = Writer(
         out_dir,
