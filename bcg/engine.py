@@ -124,7 +124,8 @@ class BCGEngine:
     def _measure(self, key: ShapeKey, bucket: int) -> GraphNeed:
         """Eager passes on a side stream: warm-up (lazy init, autotuning), then one pass from an
         empty cache whose peak *reserved* growth is the graph's need: segments as the allocator
-        rounds them, which is what a pool holds, not just the bytes of the tensors."""
+        rounds them, which is what a pool holds (or the allocated peak, when the pass fits in
+        segments that were already reserved)."""
         inputs = self.static[key].view(bucket)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -134,10 +135,14 @@ class BCGEngine:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_reserved(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            allocated = torch.cuda.memory_allocated(self.device)
             out = self.fn(inputs)
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_reserved(self.device) - before
+            peak = max(
+                torch.cuda.max_memory_reserved(self.device) - reserved,
+                torch.cuda.max_memory_allocated(self.device) - allocated,
+            )
         torch.cuda.current_stream(self.device).wait_stream(stream)
         out_bytes = out.numel() * out.element_size()
         return GraphNeed(key, bucket, peak_bytes=max(peak, out_bytes), output_bytes=out_bytes)

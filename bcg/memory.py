@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 GIB = 2**30
+SMALL_SEGMENT = 2 * 2**20  # the CUDA caching allocator's segment for blocks under 1 MiB
 
 
 @dataclass(frozen=True)
@@ -18,17 +19,23 @@ class GraphNeed:
 
 def predict_pool_bytes(needs: Sequence[GraphNeed], margin: float) -> int:
     """Graphs in one pool run one at a time, so their transient memory is reused: the pool needs the
-    largest transient need (times `margin` for allocator rounding and fragmentation) plus every
-    graph's output, which each graph keeps for itself."""
+    largest transient need (times `margin` for allocator rounding and fragmentation) plus what each
+    graph keeps for itself (its output, at least one small-block segment)."""
     if not needs:
         return 0
     transient = max(n.peak_bytes - n.output_bytes for n in needs)
-    return int(transient * margin) + sum(n.output_bytes for n in needs)
+    return int(transient * margin) + sum(_kept(n) for n in needs)
 
 
 def predict_separate_pools_bytes(needs: Sequence[GraphNeed], margin: float) -> int:
     """What the same graphs would need with a pool each: every transient need is kept."""
-    return sum(int((n.peak_bytes - n.output_bytes) * margin) + n.output_bytes for n in needs)
+    return sum(int((n.peak_bytes - n.output_bytes) * margin) + _kept(n) for n in needs)
+
+
+def _kept(need: GraphNeed) -> int:
+    """What one graph keeps in the pool between replays: its output, and at least one of the
+    allocator's small-block segments (2 MiB), which its last allocations leave behind."""
+    return max(need.output_bytes, SMALL_SEGMENT)
 
 
 def check_pool_limit(needs: Sequence[GraphNeed], predicted: int, limit_gib: float | None, margin: float) -> None:

@@ -53,7 +53,8 @@ def png(path: Path) -> np.ndarray:
 
 
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, "-m", "pipeline.run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )

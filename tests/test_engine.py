@@ -76,10 +76,11 @@ def test_batch_larger_than_the_ladder_is_refused():
 
 
 def test_shared_pool_prediction_keeps_one_transient_and_every_output():
-    needs = [GraphNeed((64, 64), 8, peak_bytes=1000, output_bytes=100), GraphNeed((64, 64), 4, peak_bytes=600, output_bytes=50)]
-    # largest transient (1000 - 100) x 1.5, plus both outputs
-    assert predict_pool_bytes(needs, 1.5) == 1350 + 150
-    assert predict_separate_pools_bytes(needs, 1.5) == 1350 + 100 + 825 + 50
+    mib = 2**20
+    needs = [GraphNeed((64, 64), 8, peak_bytes=100 * mib, output_bytes=4 * mib), GraphNeed((64, 64), 4, 60 * mib, 1 * mib)]
+    # largest transient (100 - 4) x 1.5, plus what each keeps: its output, at least a 2 MiB segment
+    assert predict_pool_bytes(needs, 1.5) == 144 * mib + 4 * mib + 2 * mib
+    assert predict_separate_pools_bytes(needs, 1.5) == (144 + 4) * mib + int(59 * 1.5 * mib) + 2 * mib
     assert predict_pool_bytes([], 1.3) == 0
 
 
