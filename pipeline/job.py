@@ -134,10 +134,7 @@ def generate_batch(adapter, engine: BCGEngine, prompts: PromptCache, batch: Batc
     device = adapter.device
     timer = StageTimer(device)
     with timer.stage("encode"):
-        negatives = [it.negative_prompt if it.negative_prompt is not None else "" for it in items]
-        neg_emb, neg_mask = prompts.get(negatives)
-        pos_emb, pos_mask = prompts.get([it.prompt for it in items])
-        cond = {"emb": torch.stack([neg_emb, pos_emb], 1), "mask": torch.stack([neg_mask, pos_mask], 1)}
+        cond = cfg_conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items])
     with timer.stage("noise"):
         shape = adapter.latent_shape(batch.height, batch.width)
         noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
@@ -159,6 +156,14 @@ def generate_batch(adapter, engine: BCGEngine, prompts: PromptCache, batch: Batc
         log.warning("batch %s: non-finite images for %s; rows marked failed", batch.key, bad)
     stats.add_batch(batch.height, batch.width, batch.bucket, n, int(finite.sum()), seconds)
     return BatchResult(batch.key, rows, out)
+
+
+def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
+    """Conditioning for CFG, each tensor [n, 2, ...]: index 0 the negative prompt ("" when the row has
+    none, as diffusers), index 1 the prompt."""
+    neg = prompts.get([p if p is not None else "" for p in negative])
+    pos = prompts.get(positive)
+    return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
 
 
 def shard_row(item, batch: Batch, cfg: JobConfig, model: str, ok: bool, seconds: dict[str, float], n: int) -> dict:

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 
 import torch
 
-EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+# prompts (N) -> conditioning tensors by name, each [N, ...]
+EncodeFn = Callable[[list[str]], dict[str, torch.Tensor]]
 
 
 class PromptCache:
@@ -21,12 +22,12 @@ class PromptCache:
         self.encode = encode
         self.chunk = chunk
         self.capacity = capacity
-        self.cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self.hits = 0
         self.encoded = 0
 
-    def get(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """prompts (N) -> embeddings [N, L, D], mask [N, L]."""
+    def get(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """prompts (N) -> conditioning tensors by name, each [N, ...]."""
         missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
         self.hits += len(prompts) - len(missing)
         for start in range(0, len(missing), self.chunk):
@@ -36,10 +37,10 @@ class PromptCache:
             self.cache.move_to_end(p)
         while len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
-        return torch.stack([e for e, _ in rows]), torch.stack([m for _, m in rows])
+        return {name: torch.stack([r[name] for r in rows]) for name in rows[0]}
 
     def _encode_chunk(self, prompts: list[str]) -> None:
-        emb, mask = self.encode(prompts + [""] * (self.chunk - len(prompts)))
+        encoded = self.encode(prompts + [""] * (self.chunk - len(prompts)))
         for i, p in enumerate(prompts):
-            self.cache[p] = (emb[i], mask[i])
+            self.cache[p] = {name: t[i] for name, t in encoded.items()}
         self.encoded += len(prompts)

@@ -64,8 +64,8 @@ class PixArtAdapter:
         return (self.latent_channels, height // f, width // f)
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """prompts (N) -> embeddings [N, L, D] in the model dtype, attention mask [N, L] (int64)."""
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """prompts (N) -> {"emb": [N, L, D] in the model dtype, "mask": [N, L] int64}."""
         text = [p.lower().strip() for p in prompts]
         tokens = self.tokenizer(
             text,
@@ -77,7 +77,7 @@ class PixArtAdapter:
         )
         mask = tokens.attention_mask.to(self.device)
         emb = self.text_encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
-        return emb.to(self.dtype), mask
+        return {"emb": emb.to(self.dtype), "mask": mask}
 
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         """Per-row inputs of one CFG step. Conditioning is stacked [uncond, cond] on dim 1 so that
