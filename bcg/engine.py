@@ -1,6 +1,7 @@
 """The BCG engine: one CUDA graph per (resolution, ladder bucket), captured at warm-up into one pool.
 
-`fn` maps a dict of batch-first tensors to one batch-first output tensor and must be graph-safe: no
+`fn` maps a dict of batch-first tensors to a batch-first output tensor (or a tuple of them) and must
+be graph-safe: no
 host syncs, no Python values that change between calls (they go in as tensors). `specs(key)` says
 which inputs `fn` takes at a shape key (per-row shape, dtype, padding value). The engine owns the
 static buffers, captures, replays, pads and counts. With graphs off (no CUDA, or `enabled=False`)
@@ -24,15 +25,30 @@ from bcg.metrics import EngineMetrics, GraphRecord, graph_name
 
 log = logging.getLogger(__name__)
 
-StepFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-ShapeKey = tuple[int, int]  # (height, width)
+Output = torch.Tensor | tuple[torch.Tensor, ...]
+StepFn = Callable[[dict[str, torch.Tensor]], Output]
+# Everything that changes a shape or a captured constant: (height, width), plus the step count for
+# a graph of the whole denoising loop.
+ShapeKey = tuple[int, ...]
 SpecFn = Callable[[ShapeKey], dict[str, InputSpec]]
 
 
 @dataclass
 class Graph:
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # lives in the shared pool; copied out after each replay
+    output: Output  # lives in the shared pool; copied out after each replay
+
+
+def rows_of(output: Output, n: int, copy: bool) -> Output:
+    """The first n rows of every output tensor; copied when the storage will be overwritten."""
+    if isinstance(output, torch.Tensor):
+        return output[:n].clone() if copy else output[:n]
+    return tuple(t[:n].clone() if copy else t[:n] for t in output)
+
+
+def nbytes(output: Output) -> int:
+    tensors = (output,) if isinstance(output, torch.Tensor) else output
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def precision_flags() -> dict[str, bool]:
@@ -144,7 +160,7 @@ class BCGEngine:
                 torch.cuda.max_memory_allocated(self.device) - allocated,
             )
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        out_bytes = out.numel() * out.element_size()
+        out_bytes = nbytes(out)
         return GraphNeed(key, bucket, peak_bytes=max(peak, out_bytes), output_bytes=out_bytes)
 
     @torch.no_grad()
@@ -166,7 +182,7 @@ class BCGEngine:
         self.graphs[(key, bucket)] = Graph(graph, output)
         need = self._needs.get((key, bucket))
         self.metrics.graphs[name] = GraphRecord(
-            key[0], key[1], bucket,
+            list(key), bucket,
             capture_s=time.perf_counter() - start,
             pool_bytes_added=torch.cuda.memory_reserved(self.device) - before,
             eager_peak_bytes=need.peak_bytes if need else 0,
@@ -175,9 +191,9 @@ class BCGEngine:
     # ---- replay ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int) -> torch.Tensor:
-        """n real rows of `inputs` (each [n, ...]) -> fn's output for those rows, [n, ...], a tensor
-        the caller owns. The rows run at the smallest ladder bucket >= n, padded with fixed values."""
+    def run(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int) -> Output:
+        """n real rows of `inputs` (each [n, ...]) -> fn's output for those rows ([n, ...] each),
+        tensors the caller owns. The rows run at the smallest ladder bucket >= n, padded with fixed values."""
         bucket = pick_bucket(self.ladder, n)
         self.metrics.padded_rows += bucket - n
         graph = self.graphs.get((key, bucket))
@@ -195,7 +211,7 @@ class BCGEngine:
         graph.graph.replay()
         self.metrics.hits += 1
         self.metrics.graphs[graph_name(key, bucket)].replays += 1
-        return graph.output[:n].clone()
+        return rows_of(graph.output, n, copy=True)
 
     def _capture_late(self, key: ShapeKey, bucket: int) -> None:
         """`lazy=True` only: a (key, bucket) first seen during the run is warmed up and captured now."""
@@ -212,7 +228,7 @@ class BCGEngine:
         self.metrics.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         log.info("BCG: captured %s during the run (bcg.lazy=true)", graph_name(key, bucket))
 
-    def _run_eager(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int, bucket: int) -> torch.Tensor:
+    def _run_eager(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int, bucket: int) -> Output:
         if key not in self.specs:
             self.specs[key] = self.spec_fn(key)
         self.metrics.eager_calls += 1
@@ -221,7 +237,7 @@ class BCGEngine:
             if (key, bucket) not in self._missed:
                 self._missed.add((key, bucket))
                 log.warning("BCG: no graph for %s; running it eagerly (counted as a miss)", graph_name(key, bucket))
-        return self.fn(pad_rows(self.specs[key], inputs, n, bucket))[:n]
+        return rows_of(self.fn(pad_rows(self.specs[key], inputs, n, bucket)), n, copy=False)
 
     def __enter__(self) -> "BCGEngine":
         return self

@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class GraphRecord:
-    height: int
-    width: int
+    key: list[int]  # (height, width[, steps])
     bucket: int
     capture_s: float = 0.0
     pool_bytes_added: int = 0

@@ -90,9 +90,14 @@ def build_transformer(cls: type, arch: dict, device: torch.device) -> torch.nn.M
 
 
 def build_pixart(smoke: bool, sides: list[int], device: torch.device) -> Subject:
+    adapter = pixart_adapter("tiny" if smoke else "pixart_sigma", device)
+    return Subject(adapter.name, adapter.guided_eps, lambda key: adapter.input_specs(*key), sides)
+
+
+def pixart_adapter(name: str, device: torch.device) -> PixArtAdapter:
     """PixArtAdapter around the real transformer. guided_eps and input_specs read neither the VAE
     (only its 8x factor, from a tiny one) nor the text encoder (an Identity: the adapter calls .eval())."""
-    conf = load_model_conf("tiny" if smoke else "pixart_sigma")
+    conf = load_model_conf(name)
     transformer = build_transformer(PixArtTransformer2DModel, conf["arch"]["transformer"], device)
     vae = AutoencoderKL(
         down_block_types=("DownEncoderBlock2D",) * 4,
@@ -107,7 +112,7 @@ def build_pixart(smoke: bool, sides: list[int], device: torch.device) -> Subject
         conf["max_sequence_length"], conf["max_side"],
     )
     assert adapter.vae_scale_factor == VAE_FACTOR, adapter.vae_scale_factor
-    return Subject(conf["name"], adapter.guided_eps, lambda key: adapter.input_specs(*key), sides)
+    return adapter
 
 
 def dit_guided_eps(transformer: DiTTransformer2DModel, inputs: Inputs) -> torch.Tensor:

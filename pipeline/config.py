@@ -17,17 +17,30 @@ from omegaconf import MISSING
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    family: str = "pixart"
-    # random: build `arch` with seeded random weights; pretrained: load the diffusers dir `path`.
+    # random: build `arch` with seeded random weights; pretrained: load the local diffusers
+    # directory `path` (safetensors only, offline; its family comes from model_index.json).
     weights: str = "random"
     path: Optional[str] = None
-    # Architecture of each component for `weights=random` (kwargs of the diffusers/transformers classes).
+    # Random weights: the family (pixart | sd3 | dit), the diffusers pipeline it mirrors (None: the
+    # family's first, e.g. PixArtSigmaPipeline), the architecture of each component (kwargs of the
+    # diffusers/transformers classes) and the scheduler (diffusers class name and config).
+    family: str = "pixart"
+    pipeline: Optional[str] = None
     arch: Dict[str, Any] = field(default_factory=dict)
-    # diffusers scheduler class name and config: the checkpoint's own sampler for random models.
     scheduler: Dict[str, Any] = field(default_factory=dict)
-    max_sequence_length: int = 300
-    max_side: int = 2048
     init_seed: int = 0
+    # cpu: build on the CPU, then move (the same weights on every device; small models);
+    # target: initialise directly on the job's device (large models: no host copy).
+    init_device: str = "cpu"
+    # DiT with random weights: class id -> "name, synonym, ..." (None: the names are "0" ... "999").
+    id2label: Optional[Dict[str, str]] = None
+    # Text tokens per prompt; None: the pipeline's default (PixArt-Sigma 300, PixArt-Alpha 120, SD3 256).
+    max_sequence_length: Optional[int] = None
+    # Largest width/height a manifest may ask for; None: twice the native side, within the
+    # architecture's hard limit (SD3: its positional grid; DiT: its one native size).
+    max_side: Optional[int] = None
+    # Encode every prompt of the plan first, then free the text encoders (log says so once).
+    offload_text_encoder: bool = False
 
 
 @dataclass
@@ -101,7 +114,8 @@ ON_INVALID = ("error", "skip")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("bf16", "fp16", "fp32")
 WEIGHTS = ("random", "pretrained")
-SCOPES = ("forward",)
+SCOPES = ("forward", "step", "loop")
+SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
 
 
 def check_choices(cfg: JobConfig) -> None:
@@ -112,6 +126,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("precision.dtype", cfg.precision.dtype, DTYPES),
         ("model.weights", cfg.model.weights, WEIGHTS),
         ("bcg.scope", cfg.bcg.scope, SCOPES),
+        ("sampler.name", cfg.sampler.name, SAMPLER_NAMES),
         ("output.format", cfg.output.format, ("png",)),
     ):
         if value not in accepted:

@@ -1,38 +1,126 @@
-"""Eager sampling loop around the engine: the checkpoint's own diffusers scheduler between steps."""
+"""The denoising loop of one batch, in the configured `bcg.scope`, on the engine.
+
+- `forward`: the engine runs one CFG forward per step; the checkpoint's diffusers scheduler (or
+  the one `sampler=<name>` names) updates the latents eagerly between replays. What other engines do.
+- `step`: one engine call per step runs forward + CFG + our graph-safe sampler update
+  (`pipeline.samplers`); the step position is a device tensor.
+- `loop`: one engine call runs every step of the batch; its graphs are keyed by the step count too.
+
+With graphs off, the same functions run eagerly, so scopes differ only in where the graph boundary
+lies, not in what is computed (forward excepted: diffusers' scheduler does its own arithmetic).
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
+import diffusers
 import torch
 
-from bcg.engine import BCGEngine
+from bcg.buffers import InputSpec
+from bcg.engine import BCGEngine, Output, ShapeKey
+from pipeline.samplers import SAMPLERS, Sampler, make_sampler
+
+SCOPES = ("forward", "step", "loop")
+
+Inputs = dict[str, torch.Tensor]
 
 
-@torch.no_grad()
-def denoise(
-    adapter,
-    engine: BCGEngine,
-    noise: torch.Tensor,
-    cond: dict[str, torch.Tensor],
-    guidance: torch.Tensor,
-    steps: int,
-) -> torch.Tensor:
-    """noise [n,C,h,w], cond {"emb": [n,2,L,D], "mask": [n,2,L]}, guidance [n] -> latents [n,C,h,w].
+class Denoiser:
+    """Owns the sampler and the engine for one job; `denoise` runs one batch."""
 
-    Each step is one engine call (CFG forward, replayed from a graph when there is one); the
-    scheduler update runs eagerly on the real rows only.
-    """
-    n, _, h, w = noise.shape
-    f = adapter.vae_scale_factor
-    key = (h * f, w * f)
-    scheduler = adapter.new_scheduler()
-    scheduler.set_timesteps(steps, device=noise.device)
-    latents = noise * scheduler.init_noise_sigma
-    for t in scheduler.timesteps:
-        x = scheduler.scale_model_input(latents, t)
-        inputs = {"x": x, "t": t.to(torch.float32).expand(n), "g": guidance, **cond}
-        eps = engine.run(key, inputs, n)
-        latents = scheduler.step(eps, t, latents, return_dict=False)[0]
-    return latents
+    def __init__(self, adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine]):
+        if scope not in SCOPES:
+            raise ValueError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
+        self.adapter = adapter
+        self.scope = scope
+        self.steps = steps
+        self.sampler_name = sampler
+        # forward runs diffusers' own scheduler; step and loop need our graph-safe one (its options
+        # are checked here, at start).
+        self.sampler: Sampler | None = None
+        if scope != "forward":
+            self.sampler = make_sampler(sampler, adapter.scheduler_class, adapter.scheduler_config, steps, adapter.device)
+        fn, specs = {"forward": (adapter.guided_eps, self._forward_specs),
+                     "step": (self._step, self._step_specs),
+                     "loop": (self._loop, self._loop_specs)}[scope]
+        self.engine = engine_factory(fn, specs)
+
+    def key(self, height: int, width: int) -> ShapeKey:
+        return (height, width, self.steps) if self.scope == "loop" else (height, width)
+
+    def capture_all(self, resolutions: list[tuple[int, int]]) -> None:
+        self.engine.capture_all([self.key(h, w) for h, w in resolutions])
+
+    @torch.no_grad()
+    def denoise(self, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """noise [n,C,h,w], cond {name: [n,2,...]}, guidance [n] -> final latents [n,C,h,w]."""
+        n = noise.shape[0]
+        key = self.key(height, width)
+        if self.sampler is None:
+            return self._denoise_forward(key, noise, cond, guidance)
+        x = noise * self.sampler.init_noise_sigma
+        if self.scope == "loop":
+            return self.engine.run(key, {"x": x, "g": guidance, **cond}, n)
+        prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for k in range(self.steps):
+            i = torch.full((n,), k, dtype=torch.int64, device=x.device)
+            x, prev = self.engine.run(key, {"x": x, "i": i, "prev": prev, "g": guidance, **cond}, n)
+        return x
+
+    def _denoise_forward(self, key: ShapeKey, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor) -> torch.Tensor:
+        n = noise.shape[0]
+        scheduler = self._diffusers_scheduler()
+        scheduler.set_timesteps(self.steps, device=noise.device)
+        x = noise * scheduler.init_noise_sigma
+        for t in scheduler.timesteps:
+            model_x = scheduler.scale_model_input(x, t)
+            eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **cond}, n)
+            x = scheduler.step(eps, t, x, return_dict=False)[0]
+        return x
+
+    @property
+    def sampler_label(self) -> str:
+        """What updates the latents: our sampler's name, or the diffusers scheduler class."""
+        if self.sampler is not None:
+            return self.sampler.name
+        return self.adapter.scheduler_class if self.sampler_name == "default" else SAMPLERS[self.sampler_name]
+
+    def _diffusers_scheduler(self):
+        """A fresh scheduler per batch: diffusers' schedulers keep per-run state."""
+        return getattr(diffusers, self.sampler_label).from_config(self.adapter.scheduler_config)
+
+    # ---- graph bodies: graph-safe, batch-first ------------------------------------------------
+
+    def _step(self, inputs: Inputs) -> Output:
+        """x, i [B] int64, prev [B,C,h,w] f32, g, cond -> (x_next, x0 prediction f32)."""
+        i, x, prev = inputs["i"], inputs["x"], inputs["prev"]
+        model_inputs = {k: v for k, v in inputs.items() if k not in ("i", "prev")}
+        model_inputs["t"] = self.sampler.timestep(i)
+        eps = self.adapter.guided_eps(model_inputs)
+        return self.sampler.step(i, x, eps, prev)
+
+    def _loop(self, inputs: Inputs) -> torch.Tensor:
+        """x (initial latents), g, cond -> final latents; every step of the schedule, unrolled."""
+        x = inputs["x"]
+        prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for k in range(self.steps):
+            i = torch.full((x.shape[0],), k, dtype=torch.int64, device=x.device)
+            x, prev = self._step({**inputs, "x": x, "i": i, "prev": prev})
+        return x
+
+    # ---- inputs per scope ---------------------------------------------------------------------
+
+    def _forward_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
+        return self.adapter.input_specs(key[0], key[1])
+
+    def _step_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
+        specs = {k: v for k, v in self._forward_specs(key).items() if k != "t"}
+        latent = self.adapter.latent_shape(key[0], key[1])
+        return {**specs, "i": InputSpec((), torch.int64), "prev": InputSpec(latent, torch.float32)}
+
+    def _loop_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
+        return {k: v for k, v in self._forward_specs(key).items() if k != "t"}
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from bcg.engine import BCGEngine
 from pipeline.config import JobConfig, check_choices
-from pipeline.denoise import denoise, to_uint8
+from pipeline.denoise import Denoiser, to_uint8
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.models import build_model, model_limits
@@ -71,18 +71,25 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
 
     # 4. Model, engine (graphs for every resolution in the plan, before the first batch), writer.
     adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
-    engine = BCGEngine(
-        adapter.guided_eps,
-        lambda key: adapter.input_specs(*key),
-        cfg.bcg.ladder,
-        device,
-        enabled=cfg.bcg.enabled,
-        warmup=cfg.bcg.warmup,
-        lazy=cfg.bcg.lazy,
-        pool_limit_gib=cfg.bcg.pool_limit_gib,
-        pool_margin=cfg.bcg.pool_margin,
+    denoiser = Denoiser(
+        adapter,
+        cfg.bcg.scope,
+        cfg.sampler.name,
+        cfg.sampler.steps,
+        lambda fn, specs: BCGEngine(
+            fn,
+            specs,
+            cfg.bcg.ladder,
+            device,
+            enabled=cfg.bcg.enabled,
+            warmup=cfg.bcg.warmup,
+            lazy=cfg.bcg.lazy,
+            pool_limit_gib=cfg.bcg.pool_limit_gib,
+            pool_margin=cfg.bcg.pool_margin,
+        ),
     )
-    engine.capture_all(plan.resolutions())
+    engine = denoiser.engine
+    denoiser.capture_all(plan.resolutions())
     prompts = PromptCache(adapter.encode, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES)
     writer = Writer(
         out_dir,
@@ -98,7 +105,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
         with logging_redirect_tqdm(), tqdm(total=plan.items, unit="img", disable=not cfg.runtime.progress) as bar:
             for batch in plan.batches:
                 bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
-                result = generate_batch(adapter, engine, prompts, batch, cfg, stats)
+                result = generate_batch(adapter, denoiser, prompts, batch, cfg, stats)
                 writer.submit(result)
                 bar.update(len(batch.items))
     finally:
@@ -109,6 +116,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
     report = stats.to_dict()
     report.update(
         ladder=list(engine.ladder),
+        scope=cfg.bcg.scope,
+        sampler=denoiser.sampler_label,
         precision=precision,
         device=str(device),
         model=adapter.name,
@@ -127,7 +136,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
     return report
 
 
-def generate_batch(adapter, engine: BCGEngine, prompts: PromptCache, batch: Batch, cfg: JobConfig, stats: RunStats) -> BatchResult:
+def generate_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, cfg: JobConfig, stats: RunStats) -> BatchResult:
     """One planned batch -> its shard rows and images (None for a row whose image is not finite)."""
     items = batch.items
     n = len(items)
@@ -140,7 +149,7 @@ def generate_batch(adapter, engine: BCGEngine, prompts: PromptCache, batch: Batc
         noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
         guidance = torch.full((n,), cfg.sampler.guidance_scale, dtype=torch.float32, device=device)
     with timer.stage("denoise"):
-        latents = denoise(adapter, engine, noise, cond, guidance, cfg.sampler.steps)
+        latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width)
     with timer.stage("decode"):
         images = adapter.decode(latents)
         finite = torch.isfinite(images).flatten(1).all(1).cpu()
@@ -149,7 +158,7 @@ def generate_batch(adapter, engine: BCGEngine, prompts: PromptCache, batch: Batc
     rows, out = [], []
     for i, it in enumerate(items):
         ok = bool(finite[i])
-        rows.append(shard_row(it, batch, cfg, adapter.name, ok, seconds, n))
+        rows.append(shard_row(it, batch, cfg, adapter.name, denoiser.sampler_label, ok, seconds, n))
         out.append(pixels[i] if ok else None)
     if not finite.all():
         bad = [it.id for it, f in zip(items, finite) if not f]
@@ -166,7 +175,7 @@ def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[s
     return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
 
 
-def shard_row(item, batch: Batch, cfg: JobConfig, model: str, ok: bool, seconds: dict[str, float], n: int) -> dict:
+def shard_row(item, batch: Batch, cfg: JobConfig, model: str, sampler: str, ok: bool, seconds: dict[str, float], n: int) -> dict:
     row = dict(item.extra)
     row.update(
         id=item.id,
@@ -180,7 +189,7 @@ def shard_row(item, batch: Batch, cfg: JobConfig, model: str, ok: bool, seconds:
         steps=cfg.sampler.steps,
         guidance_scale=cfg.sampler.guidance_scale,
         model=model,
-        sampler=cfg.sampler.name,
+        sampler=sampler,
         status="ok" if ok else "failed",
         error=None if ok else "image has non-finite values (NaN or inf)",
         path=f"{IMAGES_DIR}/{item.id}.png" if ok else None,
