@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -87,6 +88,7 @@ class BCGEngine:
         self.graphs: dict[tuple[ShapeKey, int], Graph] = {}
         self._missed: set[tuple[ShapeKey, int]] = set()
         self._needs: dict[tuple[ShapeKey, int], GraphNeed] = {}
+        self._force_eager = False
         self._flags: dict[str, bool] | None = None
         self.pool = None
         if not enabled:
@@ -196,8 +198,8 @@ class BCGEngine:
         tensors the caller owns. The rows run at the smallest ladder bucket >= n, padded with fixed values."""
         bucket = pick_bucket(self.ladder, n)
         self.metrics.padded_rows += bucket - n
-        graph = self.graphs.get((key, bucket))
-        if graph is None and self.metrics.active and self.lazy:
+        graph = None if self._force_eager else self.graphs.get((key, bucket))
+        if graph is None and self.metrics.active and self.lazy and not self._force_eager:
             self._capture_late(key, bucket)
             graph = self.graphs.get((key, bucket))
         if graph is None:
@@ -228,11 +230,21 @@ class BCGEngine:
         self.metrics.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         log.info("BCG: captured %s during the run (bcg.lazy=true)", graph_name(key, bucket))
 
+    @contextmanager
+    def eager(self):
+        """Inside, every call runs eagerly (graphs stay captured): the last resort of a retry after
+        an out-of-memory error. Counted in `eager_calls`, not as misses."""
+        self._force_eager = True
+        try:
+            yield
+        finally:
+            self._force_eager = False
+
     def _run_eager(self, key: ShapeKey, inputs: dict[str, torch.Tensor], n: int, bucket: int) -> Output:
         if key not in self.specs:
             self.specs[key] = self.spec_fn(key)
         self.metrics.eager_calls += 1
-        if self.metrics.active:
+        if self.metrics.active and not self._force_eager:
             self.metrics.misses += 1
             if (key, bucket) not in self._missed:
                 self._missed.add((key, bucket))

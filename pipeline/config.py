@@ -7,6 +7,7 @@ nothing reads the config object: functions take the values they need as argument
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -79,6 +80,9 @@ class OutputConfig:
     # Store the encoded image in each shard row as {bytes, path} (Hugging Face Image feature layout).
     embed_images: bool = False
     queue_size: int = 32
+    # Committed batches that no longer match the job (manifest rows or settings changed):
+    # error (refuse, naming the ids) or overwrite (regenerate them).
+    on_conflict: str = "error"
 
 
 @dataclass
@@ -96,6 +100,13 @@ class RuntimeConfig:
 
 
 @dataclass
+class ShardConfig:
+    # This process runs slice `index` of `count` of the plan (balanced by predicted cost).
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -104,6 +115,7 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     manifest: ManifestConfig = field(default_factory=ManifestConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
 
 
 def register_configs() -> None:
@@ -122,14 +134,16 @@ def check_choices(cfg: JobConfig) -> None:
     """Reject values outside the accepted sets, naming the key and the choices."""
     for key, value, accepted in (
         ("manifest.on_invalid", cfg.manifest.on_invalid, ON_INVALID),
-        ("runtime.device", cfg.runtime.device, DEVICES),
         ("precision.dtype", cfg.precision.dtype, DTYPES),
         ("model.weights", cfg.model.weights, WEIGHTS),
         ("bcg.scope", cfg.bcg.scope, SCOPES),
         ("sampler.name", cfg.sampler.name, SAMPLER_NAMES),
         ("output.format", cfg.output.format, ("png",)),
+        ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):
         if value not in accepted:
             raise ValueError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
+    if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
+        raise ValueError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
     if cfg.sampler.steps < 1:
         raise ValueError(f"sampler.steps={cfg.sampler.steps} must be >= 1")

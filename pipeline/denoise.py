@@ -72,9 +72,11 @@ class Denoiser:
         n = noise.shape[0]
         scheduler = self._diffusers_scheduler()
         scheduler.set_timesteps(self.steps, device=noise.device)
-        x = noise * scheduler.init_noise_sigma
+        # Flow-matching schedulers have neither (diffusers' SD3 pipeline uses neither).
+        x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
+        scale = getattr(scheduler, "scale_model_input", lambda sample, t: sample)
         for t in scheduler.timesteps:
-            model_x = scheduler.scale_model_input(x, t)
+            model_x = scale(x, t)
             eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **cond}, n)
             x = scheduler.step(eps, t, x, return_dict=False)[0]
         return x

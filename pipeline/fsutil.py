@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +13,9 @@ TMP_PREFIX = ".tmp-"
 
 
 def _tmp_path(path: Path) -> Path:
-    return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    """`.tmp-<name>@<host>@<pid>`: hidden from readers, and traceable to its writer so a resumed job
+    can delete what a dead process left (pipeline.guard.remove_stale_tmp)."""
+    return path.with_name(f"{TMP_PREFIX}{path.name}@{socket.gethostname()}@{os.getpid()}")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -16,124 +16,202 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from bcg.buckets import pick_bucket
 from bcg.engine import BCGEngine
 from pipeline.config import JobConfig, check_choices
 from pipeline.denoise import Denoiser, to_uint8
 from pipeline.fsutil import atomic_write_table, atomic_write_text
+from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
-from pipeline.models import build_model, model_limits
+from pipeline.models import build_model, check_items, model_limits
 from pipeline.noise import batch_noise
 from pipeline.planner import Batch, Plan, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
-from pipeline.prompts import PromptCache
+from pipeline.prompts import PromptCache, negative_or_default, prompt_cache
 from pipeline.stats import RunStats, StageTimer, library_versions
-from pipeline.writer import IMAGES_DIR, BatchResult, Writer, shard_schema
+from pipeline.merge import PARTS_DIR, SUCCESS, IncompleteError, merge, part_path
+from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, read_committed, remove_batches
+from pipeline.sharding import ShardSpec, shard_batches
+from pipeline.writer import IMAGES_DIR, SHARDS_DIR, BatchResult, Writer, shard_schema
 
 log = logging.getLogger(__name__)
 
-SUCCESS = "_SUCCESS"
-STATS = "stats.json"
 ERRORS = "errors.parquet"
+NON_FINITE = "image has non-finite values (NaN or inf)"
+OUT_OF_MEMORY = "CUDA out of memory even alone and without graphs"
 PROMPT_CACHE_ENTRIES = 4096
 
 
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
-    """Run the job; returns the stats written to stats.json. User errors raise ValueError subclasses
-    (ManifestError for the manifest) before anything is generated."""
+    """Run the job (or this process's shard of it); returns this part's stats. User errors raise
+    ValueError subclasses (ManifestError, ResumeConflict, LockedError) before anything is generated;
+    SIGINT/SIGTERM raise `Interrupted` once the current batch is committed."""
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
     check_choices(cfg)
+    shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     stats = RunStats()
-    device = resolve_device(cfg.runtime.device)
+    device = resolve_device(cfg.runtime.device, shard.index)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
     out_dir = Path(cfg.output.dir)
 
     # 2. Read and validate the manifest against the model's limits (no weights needed for that).
     granularity, max_side = model_limits(cfg.model)
     items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
+    items, bad = check_items(cfg.model, items, bad)  # the family's own row checks (DiT class names)
     stats.invalid = len(bad)
     if bad and cfg.manifest.on_invalid == "error":
         raise ManifestError(
             format_bad_rows(bad, source=str(cfg.manifest.path))
             + "\nNothing was generated. Fix these rows, or pass manifest.on_invalid=skip to generate the rest."
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if bad:
-        atomic_write_table(out_dir / ERRORS, errors_table(bad))
-        log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
 
-    # 3. Plan: full batches per resolution, remainders on the ladder.
+    # 3. Plan the whole job (every shard computes the same plan), then take this shard's slice.
     plan = make_plan(items, cfg.bcg.ladder, cfg.bcg.batch_overhead_rows)
-    stats.planned = plan.items
+    mine = shard_batches(plan, shard, cfg.bcg.batch_overhead_rows)
     log.info(
-        "plan: %d images in %d batches over %d resolutions, %d padded rows",
+        "plan: %d images in %d batches over %d resolutions, %d padded rows%s",
         plan.items, len(plan.batches), len(plan.resolutions()), plan.padded_rows,
+        f"; {shard.name} runs {len(mine)} batches" if shard.count > 1 else "",
     )
 
-    # 4. Model, engine (graphs for every resolution in the plan, before the first batch), writer.
-    adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
-    denoiser = Denoiser(
-        adapter,
-        cfg.bcg.scope,
-        cfg.sampler.name,
-        cfg.sampler.steps,
-        lambda fn, specs: BCGEngine(
-            fn,
-            specs,
-            cfg.bcg.ladder,
-            device,
-            enabled=cfg.bcg.enabled,
-            warmup=cfg.bcg.warmup,
-            lazy=cfg.bcg.lazy,
-            pool_limit_gib=cfg.bcg.pool_limit_gib,
-            pool_margin=cfg.bcg.pool_margin,
-        ),
-    )
-    engine = denoiser.engine
-    denoiser.capture_all(plan.resolutions())
-    prompts = PromptCache(adapter.encode, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES)
-    writer = Writer(
-        out_dir,
-        shard_schema(extra_schema(cfg.manifest.path), cfg.output.embed_images),
-        cfg.output.queue_size,
-        cfg.output.png_compress_level,
-        cfg.output.embed_images,
-    )
+    with JobLock(out_dir, shard.name), StopSignals() as stop:
+        if bad:
+            atomic_write_table(out_dir / ERRORS, errors_table(bad))
+            log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
+        removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR))
+        if removed:
+            log.info("removed %d temporary files left by a process that died", removed)
 
-    # 5. Generate, batch by batch.
-    stats.generate_started = time.perf_counter()
-    try:
-        with logging_redirect_tqdm(), tqdm(total=plan.items, unit="img", disable=not cfg.runtime.progress) as bar:
-            for batch in plan.batches:
-                bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
-                result = generate_batch(adapter, denoiser, prompts, batch, cfg, stats)
-                writer.submit(result)
-                bar.update(len(batch.items))
-    finally:
-        writer.close()
-        engine.close()
+        # 4. Model, then what is already committed under output.dir.
+        adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
+        denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps, engine_factory(cfg, device))
+        settings = dict(steps=cfg.sampler.steps, guidance_scale=cfg.sampler.guidance_scale,
+                        model=adapter.name, sampler=denoiser.sampler_label)
+        todo = batches_to_run(out_dir, plan, mine, settings, cfg.output.on_conflict)
+        stats.planned = sum(len(b.items) for b in mine)
+        stats.skipped = stats.planned - sum(len(b.items) for b in todo)
+        if not todo:
+            log.info("nothing to do: all %d batches of %s are already committed under %s", len(mine), shard.name, out_dir)
 
-    # 6. Run-level stats, then the completion marker, last.
-    report = stats.to_dict()
-    report.update(
-        ladder=list(engine.ladder),
-        scope=cfg.bcg.scope,
-        sampler=denoiser.sampler_label,
-        precision=precision,
-        device=str(device),
-        model=adapter.name,
-        bcg=engine.metrics.to_dict(),
-        prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
-        writer_busy_s=round(writer.busy_s, 4),
-        versions=library_versions(),
-        config=resolved_config,
-    )
-    atomic_write_text(out_dir / STATS, json.dumps(report, indent=2, default=str))
-    atomic_write_text(out_dir / SUCCESS, "")
-    log.info(
-        "done: %d images ok, %d failed, %d invalid rows, %.2f images/s -> %s",
-        stats.ok, stats.failed, stats.invalid, report["images_per_s"] or 0.0, out_dir,
-    )
+        # 5. Graphs for every resolution this shard runs, before its first batch; prompts; writer.
+        # (prompts first: with model.offload_text_encoder the text encoders are freed before capture)
+        prompts = prompt_cache(
+            adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES, cfg.model.offload_text_encoder
+        )
+        denoiser.capture_all(sorted({(b.height, b.width) for b in todo}))
+        writer = Writer(
+            out_dir,
+            shard_schema(extra_schema(cfg.manifest.path), cfg.output.embed_images),
+            cfg.output.queue_size,
+            cfg.output.png_compress_level,
+            cfg.output.embed_images,
+        )
+
+        # 6. Generate, batch by batch; a stop signal takes effect once the batch is committed.
+        stats.generate_started = time.perf_counter()
+        try:
+            with logging_redirect_tqdm(), tqdm(total=stats.planned - stats.skipped, unit="img",
+                                               disable=not cfg.runtime.progress) as bar:
+                for batch in todo:
+                    bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
+                    writer.submit(generate_with_retry(adapter, denoiser, prompts, batch, cfg, stats))
+                    bar.update(len(batch.items))
+                    stop.check()
+        finally:
+            writer.close()
+            denoiser.engine.close()
+
+        # 7. This part's stats; the run-level stats.json and _SUCCESS once every shard's part is in.
+        report = stats.to_dict()
+        report.update(
+            shard={"index": shard.index, "count": shard.count},
+            ladder=list(denoiser.engine.ladder),
+            scope=cfg.bcg.scope,
+            sampler=denoiser.sampler_label,
+            precision=precision,
+            device=str(device),
+            model=adapter.name,
+            bcg=denoiser.engine.metrics.to_dict(),
+            prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
+            writer_busy_s=round(writer.busy_s, 4),
+            versions=library_versions(),
+            config=resolved_config,
+        )
+        (out_dir / PARTS_DIR).mkdir(exist_ok=True)
+        atomic_write_text(part_path(out_dir, shard.name), json.dumps(report, indent=2, default=str))
+    finish(out_dir, report)
     return report
+
+
+def engine_factory(cfg: JobConfig, device: torch.device):
+    def make(fn, specs) -> BCGEngine:
+        b = cfg.bcg
+        return BCGEngine(fn, specs, b.ladder, device, enabled=b.enabled, warmup=b.warmup, lazy=b.lazy,
+                         pool_limit_gib=b.pool_limit_gib, pool_margin=b.pool_margin)
+
+    return make
+
+
+def batches_to_run(out_dir: Path, plan: Plan, mine, settings: dict[str, Any], on_conflict: str) -> list[Batch]:
+    """This shard's batches minus those committed earlier; refuses (or, with overwrite, clears)
+    committed batches that no longer match the job."""
+    committed = read_committed(out_dir)
+    conflicts = find_conflicts(plan.batches, committed, settings)
+    if conflicts and on_conflict == "error":
+        raise ResumeConflict(conflict_message(conflicts, out_dir))
+    if conflicts:
+        log.warning("output.on_conflict=overwrite: regenerating %d committed batches that changed", len(conflicts))
+        remove_batches(out_dir, committed, list(conflicts))
+    done = set(committed.rows) - set(conflicts)
+    if done & {b.key for b in mine}:
+        log.info("resuming: %d of %d batches already committed", len(done & {b.key for b in mine}), len(mine))
+    return [b for b in mine if b.key not in done]
+
+
+def finish(out_dir: Path, report: dict) -> None:
+    """Merge when every shard is in; otherwise say which are missing. One summary line either way."""
+    images = report["images"]
+    try:
+        merged = merge(out_dir)
+        where = f"{out_dir} complete ({SUCCESS} written, {merged['images']['ok']} images ok in all)"
+    except IncompleteError as err:
+        where = str(err)
+    log.info(
+        "summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %.1f s wall; %s",
+        images["ok"], images["failed"], images["skipped"], images["invalid"], report["wall_s"], where,
+    )
+
+
+def generate_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, cfg: JobConfig, stats: RunStats) -> BatchResult:
+    """`generate_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
+    its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
+    that still does not fit is marked failed. The batch still commits as one shard under its key."""
+    try:
+        return generate_batch(adapter, denoiser, prompts, batch, cfg, stats)
+    except torch.OutOfMemoryError:
+        if adapter.device.type == "cuda":
+            torch.cuda.empty_cache()
+    stats.oom_retries += 1
+    items = batch.items
+    log.warning("batch %s: CUDA out of memory with %d rows; retrying it split", batch.key, len(items))
+    if len(items) > 1:
+        half = (len(items) + 1) // 2
+        parts = [sub_batch(batch, items[:half], denoiser.engine.ladder), sub_batch(batch, items[half:], denoiser.engine.ladder)]
+        results = [generate_with_retry(adapter, denoiser, prompts, part, cfg, stats) for part in parts]
+        return BatchResult(batch.key, [r for res in results for r in res.rows], [i for res in results for i in res.images])
+    try:
+        with denoiser.engine.eager():
+            return generate_batch(adapter, denoiser, prompts, batch, cfg, stats)
+    except torch.OutOfMemoryError:
+        stats.add_batch(batch.height, batch.width, batch.bucket, 1, 0, {})
+        row = shard_row(items[0], batch, cfg, adapter.name, denoiser.sampler_label, OUT_OF_MEMORY, {}, 1)
+        return BatchResult(batch.key, [row], [None])
+
+
+def sub_batch(batch: Batch, items, ladder) -> Batch:
+    return Batch(batch.key, batch.height, batch.width, pick_bucket(ladder, len(items)), tuple(items))
 
 
 def generate_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, cfg: JobConfig, stats: RunStats) -> BatchResult:
@@ -144,6 +222,7 @@ def generate_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Bat
     timer = StageTimer(device)
     with timer.stage("encode"):
         cond = cfg_conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items])
+        cond.update(adapter.size_inputs(batch.height, batch.width, n))
     with timer.stage("noise"):
         shape = adapter.latent_shape(batch.height, batch.width)
         noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
@@ -158,7 +237,7 @@ def generate_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Bat
     rows, out = [], []
     for i, it in enumerate(items):
         ok = bool(finite[i])
-        rows.append(shard_row(it, batch, cfg, adapter.name, denoiser.sampler_label, ok, seconds, n))
+        rows.append(shard_row(it, batch, cfg, adapter.name, denoiser.sampler_label, None if ok else NON_FINITE, seconds, n))
         out.append(pixels[i] if ok else None)
     if not finite.all():
         bad = [it.id for it, f in zip(items, finite) if not f]
@@ -170,12 +249,13 @@ def generate_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Bat
 def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
     """Conditioning for CFG, each tensor [n, 2, ...]: index 0 the negative prompt ("" when the row has
     none, as diffusers), index 1 the prompt."""
-    neg = prompts.get([p if p is not None else "" for p in negative])
+    neg = prompts.get([negative_or_default(p) for p in negative])
     pos = prompts.get(positive)
     return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
 
 
-def shard_row(item, batch: Batch, cfg: JobConfig, model: str, sampler: str, ok: bool, seconds: dict[str, float], n: int) -> dict:
+def shard_row(item, batch: Batch, cfg: JobConfig, model: str, sampler: str, error: str | None, seconds: dict[str, float], n: int) -> dict:
+    ok = error is None
     row = dict(item.extra)
     row.update(
         id=item.id,
@@ -191,7 +271,7 @@ def shard_row(item, batch: Batch, cfg: JobConfig, model: str, sampler: str, ok: 
         model=model,
         sampler=sampler,
         status="ok" if ok else "failed",
-        error=None if ok else "image has non-finite values (NaN or inf)",
+        error=error,
         path=f"{IMAGES_DIR}/{item.id}.png" if ok else None,
         **{f"time_{k}_s": v / n for k, v in seconds.items()},
     )

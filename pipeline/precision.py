@@ -15,9 +15,12 @@ def apply_precision(dtype: str, tf32: bool, cudnn_benchmark: bool) -> dict:
     return {"dtype": dtype, "tf32": tf32, "cudnn_benchmark": cudnn_benchmark}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, shard_index: int = 0) -> torch.device:
+    """auto: the GPU when there is one (shard i of a multi-GPU host takes GPU i mod count), else CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("runtime.device=cuda but no CUDA device is available; use runtime.device=auto or cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", shard_index % torch.cuda.device_count())
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"runtime.device={name} but no CUDA device is available; use runtime.device=auto or cpu")
     return torch.device(name)

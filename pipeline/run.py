@@ -1,7 +1,9 @@
 """CLI: `python -m pipeline.run +job=dataset manifest.path=... output.dir=...` (Hydra).
 
 Builds the typed config and hands it to `pipeline.job.run`. User errors (bad manifest, bad option
-value, pool limit) print one message and exit with status 2, without a traceback.
+value, pool limit, conflicting outputs, output.dir locked) print one message and exit with status
+2, without a traceback; a write failure exits 3; SIGINT/SIGTERM exit 128 + the signal number once
+the current batch is committed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pipeline.config import register_configs
 
 log = logging.getLogger("pipeline")
 USER_ERROR_EXIT = 2
+WRITE_ERROR_EXIT = 3
 
 register_configs()
 
@@ -24,12 +27,21 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from pipeline.job import run  # heavy imports after Hydra has parsed the command line
 
+    from pipeline.guard import Interrupted
+    from pipeline.writer import WriteError
+
     job = OmegaConf.to_object(cfg)
     try:
         run(job, OmegaConf.to_container(cfg, resolve=True))
     except ValueError as err:  # user errors: the message is the whole report
         log.error("%s", err)
         sys.exit(USER_ERROR_EXIT)
+    except WriteError as err:  # disk full, permission denied: committed batches are intact
+        log.error("%s; batches committed before it are kept, run the same command again once fixed", err)
+        sys.exit(WRITE_ERROR_EXIT)
+    except Interrupted as err:
+        log.error("%s", err)
+        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Graph-safe samplers: diffusers' schedules, our own stateless update rules.
+"""Graph-safe samplers: diffusers' schedules and arithmetic, without diffusers' state.
 
 diffusers' schedulers keep Python state between steps (a step counter, the previous model output)
 and read values on the host (`.item()`), so they cannot live inside a CUDA graph. Here the schedule
 still comes from diffusers, as the single source of truth: the scheduler class is built on the CPU
-from the checkpoint's config and `set_timesteps(steps)` is called once. Everything a step needs is
-precomputed from it (float64 math) into float32 tables on the device, one entry per step. A step is
+from the checkpoint's config and `set_timesteps(steps)` is called once. Each step's scalars are then
+computed on the CPU as float32 0-dim tensors by the same torch expressions, in the same order, as
+diffusers' `step()` evaluates them, and stacked into float32 [steps] tables on the device. A step is
 then pure tensor math: gather the step's coefficients per row (`table[i]`, `i` an int64 device
-tensor that the graph reads at replay), combine x, the model output and the previous x0 prediction.
-No Python state between steps, no host sync, no allocation whose size depends on a value.
+tensor that the graph reads at replay) and apply diffusers' elementwise float32 operations in
+diffusers' order. No Python state between steps, no host sync, no allocation whose size depends on
+a value. On the CPU the latents are bit-identical to diffusers' own loop: this matters because the
+first step from t = 999 divides by alpha ~ 1 / 157, so a table rounded from float64 instead of
+diffusers' float32 arithmetic is already 5e-5 away after one step.
 
 The one piece of state a multistep solver needs, the previous step's x0 prediction, is carried by
 the caller: `x, prev = sampler.step(i, x, eps, prev)`.
@@ -20,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import diffusers
-import numpy as np
 import torch
 
 Tensors = dict[str, torch.Tensor]
@@ -73,19 +76,30 @@ def _per_row(tables: Tensors, i: torch.Tensor, ndim: int, *keys: str) -> list[to
     return [tables[k][i].view(shape) for k in keys]
 
 
-# Update rules: tables (each float32 [steps]), i int64 [B], x / eps / prev float32 [B,C,h,w]
-# -> (x_next, x0), both float32 [B,C,h,w].
-def dpmpp_2m_update(tables: Tensors, i, x, eps, prev):
-    """DPM-Solver++ (2M), data-prediction form, written as
-    x_next = x_scale * x + x0_coef * x0 + d1_coef * (x0 - prev)
-    where x0_coef and d1_coef fold in the step sizes h and the ratio r0 of the last two."""
-    ax, ae, cx, c0, c1, second = _per_row(
-        tables, i, x.dim(), "x0_from_x", "x0_from_eps", "x_scale", "x0_coef", "d1_coef", "second_order"
+def _combine(tables: Tensors, i: torch.Tensor, prefix: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """(c_x * x + c_out * out) / div, tables `{prefix}_x`, `{prefix}_out`, `{prefix}_div`.
+    Every prediction-type conversion in diffusers is this expression up to rewrites that are exact in
+    floating point (1 * x = x, y / 1 = y, a - b = a + (-b), a + b = b + a), so it rounds as they do."""
+    cx, co, div = _per_row(tables, i, x.dim(), f"{prefix}_x", f"{prefix}_out", f"{prefix}_div")
+    return (cx * x + co * out) / div
+
+
+# Update rules: tables (each float32 [steps]), i int64 [B], x / out / prev float32 [B,C,h,w]
+# -> (x_next, x0), both float32 [B,C,h,w]. Each one evaluates diffusers' expression, op for op.
+def dpmpp_2m_update(tables: Tensors, i, x, out, prev):
+    """DPM-Solver++ (2M), data-prediction form:
+    x_next = (sigma_t / sigma_s) x - (alpha_t (e^-h - 1)) x0 - d1_coef * (1 / r0) (x0 - prev)
+    with d1_coef = 0.5 alpha_t (e^-h - 1) (midpoint) or -alpha_t ((e^-h - 1) / h + 1) (heun), and
+    1 / r0 = d1_coef = 0 at first-order steps."""
+    x_scale, x0_coef, inv_r0, d1_coef, second = _per_row(
+        tables, i, x.dim(), "x_scale", "x0_coef", "inv_r0", "d1_coef", "second_order"
     )
-    x0 = ax * x + ae * eps
+    x0 = _combine(tables, i, "x0", x, out)
     # First-order steps (step 0 among them) must not read prev at all: 0 * NaN would still be NaN.
+    # There D1 = 0 * (x0 - x0) = 0 and x - 0 * 0 = x, so the result is diffusers' first-order update.
     m1 = torch.where(second > 0, prev, x0)
-    return cx * x + c0 * x0 + c1 * (x0 - m1), x0
+    d1 = inv_r0 * (x0 - m1)
+    return x_scale * x - x0_coef * x0 - d1_coef * d1, x0
 
 
 def flow_euler_update(tables: Tensors, i, x, v, prev):
@@ -94,13 +108,12 @@ def flow_euler_update(tables: Tensors, i, x, v, prev):
     return x + dt * v, x - sigma * v
 
 
-def ddim_update(tables: Tensors, i, x, eps, prev):
-    """DDIM with eta = 0: x_next = sqrt(a_prev) * clip(x0) + sqrt(1 - a_prev) * eps_pred."""
-    ax, ae, ex, ee, clip, sa, sb = _per_row(
-        tables, i, x.dim(), "x0_from_x", "x0_from_eps", "eps_from_x", "eps_from_eps", "clip", "x0_scale", "eps_scale"
-    )
-    x0 = torch.clamp(ax * x + ae * eps, min=-clip, max=clip)  # clip = +inf when clip_sample is off
-    return sa * x0 + sb * (ex * x + ee * eps), x0
+def ddim_update(tables: Tensors, i, x, out, prev):
+    """DDIM with eta = 0: x_next = sqrt(a_prev) * clip(x0) + sqrt(1 - a_prev) * eps_pred, where the
+    predicted eps comes from the unclipped x0, as in diffusers."""
+    clip, x0_scale, eps_scale = _per_row(tables, i, x.dim(), "clip", "x0_scale", "eps_scale")
+    x0 = torch.clamp(_combine(tables, i, "x0", x, out), min=-clip, max=clip)  # clip = +inf when off
+    return x0_scale * x0 + eps_scale * _combine(tables, i, "eps", x, out), x0
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, never compared by tensor values
@@ -127,85 +140,113 @@ class Sampler:
         return x_next.to(x.dtype), x0
 
 
-def dpmpp_2m_tables(s, steps: int) -> dict[str, np.ndarray]:
-    cfg = s.config
-    raw = s.sigmas.double().numpy()  # [S+1]; the last is 0 ("zero") or the smallest training sigma
-    if cfg.use_flow_sigmas:
-        alpha, sigma = 1.0 - raw, raw
-    else:  # raw sigma is sqrt((1 - a) / a); alpha_t = sqrt(a), sigma_t = sqrt(1 - a)
-        alpha = 1.0 / np.sqrt(raw**2 + 1.0)
-        sigma = raw * alpha
-    with np.errstate(divide="ignore"):
-        lam = np.log(alpha) - np.log(sigma)  # [S+1] log-SNR, +inf at a zero final sigma
-    h = lam[1:] - lam[:-1]  # [S]
-    a_t = alpha[1:]  # alpha at the step's target
-    step_coef = -a_t * np.expm1(-h)  # first-order weight of x0: alpha_t * (1 - e^-h)
+# Per-step scalars. Each *_rows function returns, for every step, a dict of float32 0-dim CPU tensors
+# computed from the scheduler's own float32 sigmas / alphas_cumprod by the expressions diffusers'
+# step() evaluates for that step: same ops, same order, so the same roundings.
+Row = dict[str, torch.Tensor]
+_ZERO, _ONE = torch.tensor(0.0), torch.tensor(1.0)
 
+
+def _alpha_sigma(sigma: torch.Tensor, flow: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPM's sigma -> (alpha_t, sigma_t): sigma = sigma_t / alpha_t, or flow's sigma_t itself."""
+    if flow:
+        return 1 - sigma, sigma
+    alpha_t = 1 / ((sigma**2 + 1) ** 0.5)
+    return alpha_t, sigma * alpha_t
+
+
+def _log_snr(alpha_t: torch.Tensor, sigma_t: torch.Tensor) -> torch.Tensor:
+    """lambda = log(alpha_t) - log(sigma_t); +inf at a zero final sigma."""
+    return torch.log(alpha_t) - torch.log(sigma_t)
+
+
+def _terms(prefix: str, c_x: torch.Tensor, c_out: torch.Tensor, div: torch.Tensor) -> Row:
+    """The three scalars of `_combine`: value = (c_x * x + c_out * out) / div."""
+    return {f"{prefix}_x": c_x, f"{prefix}_out": c_out, f"{prefix}_div": div}
+
+
+def dpmpp_2m_rows(s, steps: int) -> list[Row]:
+    cfg = s.config
+    flow = cfg.use_flow_sigmas
+    sig = s.sigmas  # float32 [S+1]; the last is 0 ("zero") or the smallest training sigma
     # Which steps are second order, exactly as diffusers decides (its lower_order_nums / final flags):
     # never step 0; the last step is first order with euler_at_final, with lower_order_final below
     # 15 steps, and always when the final sigma is zero.
-    k = np.arange(steps)
     last_first = cfg.euler_at_final or (cfg.lower_order_final and steps < 15) or cfg.final_sigmas_type == "zero"
-    second = (cfg.solver_order == 2) & (k > 0) & ~((k == steps - 1) & last_first)
-    d1_coef = np.zeros(steps)
-    j = np.nonzero(second)[0]
-    r0 = (lam[j] - lam[j - 1]) / h[j]  # previous step size over this one
-    if cfg.solver_type == "midpoint":
-        d1_coef[j] = 0.5 * step_coef[j] / r0
-    else:  # heun
-        d1_coef[j] = a_t[j] * (np.expm1(-h[j]) / h[j] + 1.0) / r0
+    rows = []
+    for k in range(steps):
+        second = cfg.solver_order == 2 and k > 0 and not (k == steps - 1 and last_first)
+        alpha_t, sigma_t = _alpha_sigma(sig[k + 1], flow)
+        alpha_s0, sigma_s0 = _alpha_sigma(sig[k], flow)
+        lambda_s0 = _log_snr(alpha_s0, sigma_s0)
+        h = _log_snr(alpha_t, sigma_t) - lambda_s0
+        x0_coef = alpha_t * (torch.exp(-h) - 1.0)
+        inv_r0, d1_coef = _ZERO, _ZERO  # first order: D1 = 0 * (x0 - x0) = 0
+        if second:
+            lambda_s1 = _log_snr(*_alpha_sigma(sig[k - 1], flow))
+            inv_r0 = 1.0 / ((lambda_s0 - lambda_s1) / h)
+            if cfg.solver_type == "midpoint":
+                d1_coef = 0.5 * x0_coef
+            else:  # heun adds its D1 term; the update subtracts, and negation is exact
+                d1_coef = -(alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0))
+        x0 = {  # the x0 prediction at the step's own sigma
+            "epsilon": lambda: _terms("x0", _ONE, -sigma_s0, alpha_s0),  # (x - sigma_t out) / alpha_t
+            "sample": lambda: _terms("x0", _ZERO, _ONE, _ONE),  # out
+            "v_prediction": lambda: _terms("x0", alpha_s0, -sigma_s0, _ONE),  # alpha_t x - sigma_t out
+            "flow_prediction": lambda: _terms("x0", _ONE, -sig[k], _ONE),  # x - sigma out, the raw sigma
+        }[cfg.prediction_type]()
+        rows.append({
+            **x0,
+            "x_scale": sigma_t / sigma_s0,
+            "x0_coef": x0_coef,
+            "inv_r0": inv_r0,
+            "d1_coef": d1_coef,
+            "second_order": _ONE if second else _ZERO,
+        })
+    return rows
 
-    a_s, s_s, zero, one = alpha[:-1], sigma[:-1], np.zeros(steps), np.ones(steps)
-    x0_from = {  # x0 = x0_from_x * x + x0_from_eps * model_output, at the step's own sigma
-        "epsilon": lambda: (1.0 / a_s, -s_s / a_s),
-        "sample": lambda: (zero, one),
-        "v_prediction": lambda: (a_s, -s_s),
-        "flow_prediction": lambda: (one, -raw[:-1]),
-    }[cfg.prediction_type]()
-    return {
-        "x0_from_x": x0_from[0],
-        "x0_from_eps": x0_from[1],
-        "x_scale": sigma[1:] / sigma[:-1],
-        "x0_coef": step_coef,
-        "d1_coef": d1_coef,
-        "second_order": second.astype(np.float64),
-    }
+
+def flow_euler_rows(s, steps: int) -> list[Row]:
+    sig = s.sigmas  # float32 [S+1], ends at 0 (or 1 with invert_sigmas)
+    return [{"sigma": sig[k], "dt": sig[k + 1] - sig[k]} for k in range(steps)]
 
 
-def flow_euler_tables(s, steps: int) -> dict[str, np.ndarray]:
-    sig = s.sigmas.double().numpy()  # [S+1], ends at 0 (or 1 with invert_sigmas)
-    return {"sigma": sig[:-1], "dt": sig[1:] - sig[:-1]}
-
-
-def ddim_tables(s, steps: int) -> dict[str, np.ndarray]:
+def ddim_rows(s, steps: int) -> list[Row]:
     cfg = s.config
-    ac = s.alphas_cumprod.double().numpy()  # [num_train_timesteps]
-    t = s.timesteps.numpy()
-    # diffusers steps to t - N // S whatever the spacing, not to the next listed timestep.
-    t_prev = t - cfg.num_train_timesteps // steps
-    a = ac[t]
-    a_prev = np.where(t_prev >= 0, ac[np.maximum(t_prev, 0)], float(s.final_alpha_cumprod))
-    b = 1.0 - a
-    ra, rb, zero, one = np.sqrt(a), np.sqrt(b), np.zeros(steps), np.ones(steps)
-    x0_from, eps_from = {  # (x0, eps) = (coef_x * x + coef_out * model_output) for each
-        "epsilon": lambda: ((1.0 / ra, -rb / ra), (zero, one)),
-        "sample": lambda: ((zero, one), (1.0 / rb, -ra / rb)),
-        "v_prediction": lambda: ((ra, -rb), (rb, ra)),
-    }[cfg.prediction_type]()
-    clip = cfg.clip_sample_range if cfg.clip_sample else math.inf
-    return {
-        "x0_from_x": x0_from[0],
-        "x0_from_eps": x0_from[1],
-        "eps_from_x": eps_from[0],
-        "eps_from_eps": eps_from[1],
-        "clip": np.full(steps, clip),
-        "x0_scale": np.sqrt(a_prev),
-        "eps_scale": np.sqrt(1.0 - a_prev),  # eta = 0: no variance term
-    }
+    clip = torch.tensor(cfg.clip_sample_range if cfg.clip_sample else math.inf)
+    rows = []
+    for t in s.timesteps:
+        # diffusers steps to t - N // S whatever the spacing, not to the next listed timestep.
+        prev_t = t - cfg.num_train_timesteps // s.num_inference_steps
+        a = s.alphas_cumprod[t]
+        a_prev = s.alphas_cumprod[prev_t] if prev_t >= 0 else s.final_alpha_cumprod
+        b = 1 - a
+        x0, eps = {
+            "epsilon": lambda: (  # x0 = (x - b**0.5 out) / a**0.5; eps = out
+                _terms("x0", _ONE, -(b**0.5), a**0.5), _terms("eps", _ZERO, _ONE, _ONE)
+            ),
+            "sample": lambda: (  # x0 = out; eps = (x - a**0.5 out) / b**0.5
+                _terms("x0", _ZERO, _ONE, _ONE), _terms("eps", _ONE, -(a**0.5), b**0.5)
+            ),
+            "v_prediction": lambda: (  # x0 = a**0.5 x - b**0.5 out; eps = a**0.5 out + b**0.5 x
+                _terms("x0", a**0.5, -(b**0.5), _ONE), _terms("eps", b**0.5, a**0.5, _ONE)
+            ),
+        }[cfg.prediction_type]()
+        # eta = 0, yet diffusers still forms std_dev_t = 0.0 * variance**0.5 and subtracts its square
+        variance = ((1 - a_prev) / b) * (1 - a / a_prev)
+        std_dev_t = 0.0 * variance**0.5
+        rows.append({
+            **x0,
+            **eps,
+            "clip": clip,  # +inf when clip_sample is off
+            "x0_scale": a_prev**0.5,
+            "eps_scale": (1 - a_prev - std_dev_t**2) ** 0.5,
+        })
+    return rows
 
 
 _UPDATES: dict[str, Callable] = {"dpmpp_2m": dpmpp_2m_update, "flow_euler": flow_euler_update, "ddim": ddim_update}
-_TABLES: dict[str, Callable] = {"dpmpp_2m": dpmpp_2m_tables, "flow_euler": flow_euler_tables, "ddim": ddim_tables}
+_ROWS: dict[str, Callable] = {"dpmpp_2m": dpmpp_2m_rows, "flow_euler": flow_euler_rows, "ddim": ddim_rows}
 
 
 def build_scheduler(name: str, scheduler_class: str, scheduler_config: dict[str, Any]):
@@ -244,13 +285,24 @@ def make_sampler(
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     cls = SAMPLERS[name]
     scheduler = build_scheduler(name, cls, scheduler_config)
-    scheduler.set_timesteps(steps)
-    tables = _TABLES[name](scheduler, steps)
-    tables["timestep"] = scheduler.timesteps.double().numpy()  # what diffusers hands the model
-    assert all(v.shape == (steps,) for v in tables.values()), {k: v.shape for k, v in tables.items()}
+    scheduler.set_timesteps(steps)  # on the CPU, as float32: the arithmetic below is diffusers' own
+    rows = _ROWS[name](scheduler, steps)
+    assert len(rows) == steps == len(scheduler.timesteps), (len(rows), steps, len(scheduler.timesteps))
+    tables = {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
+    tables["timestep"] = scheduler.timesteps.to(torch.float32, copy=True)  # what diffusers hands the model
+    # NaN anywhere (inf is legitimate: DDIM's "no clipping" bound) means diffusers' own schedule broke.
+    broken = sorted(k for k, v in tables.items() if torch.isnan(v).any())
+    if broken:
+        raise ValueError(
+            f"{cls} with this config gives NaN in its schedule at {steps} steps ({broken}); "
+            "use more steps or check the scheduler config"
+        )
+    assert all(v.dtype == torch.float32 and v.shape == (steps,) for v in tables.values()), {
+        k: (v.dtype, v.shape) for k, v in tables.items()
+    }
     return Sampler(
         name=name,
         steps=steps,
-        tables={k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in tables.items()},
+        tables={k: v.to(device) for k, v in tables.items()},
         init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)),  # FlowMatch has none: 1
     )

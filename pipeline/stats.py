@@ -46,6 +46,8 @@ class StageTimer:
 class RunStats:
     planned: int = 0
     invalid: int = 0
+    skipped: int = 0  # committed by an earlier run of the same job
+    oom_retries: int = 0
     ok: int = 0
     failed: int = 0
     batches: int = 0
@@ -69,7 +71,9 @@ class RunStats:
         now = time.perf_counter()
         generate_s = now - (self.generate_started or now)
         return {
-            "images": {"planned": self.planned, "ok": self.ok, "failed": self.failed, "invalid": self.invalid},
+            "images": {"planned": self.planned, "ok": self.ok, "failed": self.failed, "skipped": self.skipped,
+                       "invalid": self.invalid},
+            "oom_retries": self.oom_retries,
             "batches": self.batches,
             "padded_rows": self.padded_rows,
             "wall_s": round(now - self.started, 4),

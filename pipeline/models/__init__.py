@@ -1,54 +1,105 @@
-"""Model registry: a family name -> how to build its adapter. Adding a family is one module here."""
+"""Model registry: a family name -> the module that builds its adapter.
+
+Adding a family is one module here (implementing `base.Family`), one file in `conf/model/`, and one
+line in FAMILIES. A model comes either from a local diffusers directory (`model.weights=pretrained
+model.path=DIR`: the family is read from model_index.json's `_class_name`) or from a config with
+random weights (`model.weights=random`: `model.family`, `model.arch`, `model.scheduler`).
+"""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import logging
+from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers.utils import logging as diffusers_logging
 
 from pipeline.config import ModelConfig
-from pipeline.models import pixart
+from pipeline.manifest import BadRow, Item
+from pipeline.models import dit, pixart, sd3
+from pipeline.models.source import Source, force_offline, quiet_diffusers, read_pipeline_dir
 
-FAMILIES = {"pixart": pixart}
+__all__ = [
+    "FAMILIES", "build_model", "check_items", "model_limits", "model_source", "quiet_diffusers", "save_diffusers",
+    "to_diffusers",
+]
+
+log = logging.getLogger(__name__)
+
+FAMILIES = {"pixart": pixart, "sd3": sd3, "dit": dit}
+# diffusers pipeline class -> family
+PIPELINES = {cls: name for name, module in FAMILIES.items() for cls in module.PIPELINES}
 
 
-def _family(cfg: ModelConfig):
-    if cfg.family not in FAMILIES:
-        raise ValueError(f"model.family={cfg.family!r} is not supported; supported families: {sorted(FAMILIES)}")
-    return FAMILIES[cfg.family]
+def _family(name: str):
+    if name not in FAMILIES:
+        raise ValueError(f"model.family={name!r} is not supported; supported families: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def model_source(cfg: ModelConfig) -> Source:
+    """Configs of every component, from the directory's JSON files or from the config (no weights)."""
+    if cfg.weights == "pretrained":
+        if not cfg.path:
+            raise ValueError("model.weights=pretrained needs model.path=/local/diffusers/dir")
+        force_offline()
+        return read_pipeline_dir(cfg.path, PIPELINES)
+    if cfg.weights != "random":
+        raise ValueError(f"model.weights={cfg.weights!r} is not accepted; choose one of ['random', 'pretrained']")
+    family = _family(cfg.family)
+    pipeline = cfg.pipeline or family.PIPELINES[0]
+    if pipeline not in family.PIPELINES:
+        raise ValueError(f"model.pipeline={pipeline!r} is not a {cfg.family} pipeline; choose one of {list(family.PIPELINES)}")
+    if "class_name" not in cfg.scheduler:
+        raise ValueError(f"model {cfg.name!r}: model.scheduler.class_name is missing (a diffusers scheduler class)")
+    scheduler = {"_class_name": cfg.scheduler["class_name"], **cfg.scheduler.get("config", {})}
+    index: dict[str, Any] = {"_class_name": pipeline}
+    if cfg.id2label:
+        index["id2label"] = dict(cfg.id2label)
+    return Source(cfg.family, pipeline, {**cfg.arch, "scheduler": scheduler}, index=index)
 
 
 def model_limits(cfg: ModelConfig) -> tuple[int, int]:
-    """(pixel granularity, maximum side) from the config alone, so a manifest is checked before
-    any weights are loaded."""
-    if cfg.weights != "random":
-        raise ValueError(
-            f"model.weights={cfg.weights!r}: loading checkpoints from model.path is not available yet; "
-            "use model.weights=random"
-        )
-    return _family(cfg).limits_from_arch(cfg.arch), cfg.max_side
+    """(pixel granularity, maximum side) from configs alone, so a manifest is checked before any
+    weights are loaded."""
+    source = model_source(cfg)
+    return FAMILIES[source.family].limits(source, cfg)
+
+
+def check_items(cfg: ModelConfig, items: list[Item], bad: list[BadRow]) -> tuple[list[Item], list[BadRow]]:
+    """The family's own row checks (DiT: class names, no negative prompt), without weights: rows
+    that fail join `bad`, sorted by row, so manifest.on_invalid treats them like any bad row."""
+    source = model_source(cfg)
+    check = FAMILIES[source.family].item_check(source)
+    if check is None:
+        return items, bad
+    good, failed = [], []
+    for item in items:
+        reasons = check(item)
+        if reasons:
+            failed.append(BadRow(item.row, item.id, tuple(reasons)))
+        else:
+            good.append(item)
+    return good, sorted(bad + failed, key=lambda b: b.row)
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    family = _family(cfg)
-    model_limits(cfg)
-    adapter = family.build_random(
-        cfg.name, cfg.arch, cfg.scheduler, cfg.max_sequence_length, cfg.max_side, cfg.init_seed
-    )
-    for module in (adapter.transformer, adapter.vae, adapter.text_encoder):
-        module.to(device=device)
-        if module.dtype != dtype:
-            with quiet_diffusers():  # it warns on every cast; the dtype is ours to choose
-                module.to(dtype=dtype)
+    """The adapter with its weights on `device` in `dtype`."""
+    source = model_source(cfg)
+    adapter = FAMILIES[source.family].build(source, cfg, device, dtype)
+    where = f"{source.path}" if source.path else f"random weights (seed {cfg.init_seed}, built on {cfg.init_device})"
+    log.info("model %s: %s (%s) from %s", adapter.name, source.pipeline, source.family, where)
     return adapter
 
 
-@contextmanager
-def quiet_diffusers():
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        diffusers_logging.set_verbosity(level)
+def to_diffusers(adapter):
+    """diffusers' own pipeline (PixArtSigmaPipeline, StableDiffusion3Pipeline, DiTPipeline, ...) over
+    the adapter's modules: the same weights, for parity checks and benchmarks."""
+    return FAMILIES[adapter.family].to_diffusers(adapter)
+
+
+def save_diffusers(adapter, directory: str | Path) -> Path:
+    """Write the adapter as a local diffusers pipeline directory (safetensors), e.g. a random-weight
+    model that `model=pretrained model.path=DIR` and diffusers' from_pretrained both load."""
+    to_diffusers(adapter).save_pretrained(directory, safe_serialization=True)
+    return Path(directory)

@@ -1,13 +1,15 @@
-"""PixArt-architecture adapter: T5 text encoder, PixArt transformer with CFG, VAE decode.
+"""PixArt-Sigma and PixArt-Alpha: T5 text encoder, PixArt transformer with CFG, VAE decode.
 
-Everything here mirrors diffusers' PixArtSigmaPipeline (prompt preprocessing without caption
-cleaning, [negative; positive] CFG order, learned-sigma split, decode scaling), so the same weights,
-prompts and seeds give the same images.
+Everything here mirrors diffusers' PixArtSigmaPipeline / PixArtAlphaPipeline without resolution
+binning and without caption cleaning (prompts are lowercased and stripped, as diffusers does with
+clean_caption=False): the [negative; positive] CFG order, the learned-sigma split, Alpha's
+resolution and aspect-ratio micro-conditions (when the transformer's sample_size is 128), and the
+decode scaling. So the same weights, prompts and seeds give the same images.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import diffusers
 import torch
@@ -15,7 +17,25 @@ from diffusers import AutoencoderKL, PixArtTransformer2DModel
 from transformers import PreTrainedTokenizerBase, T5Config, T5EncoderModel
 
 from bcg.buffers import InputSpec
+from pipeline.config import ModelConfig
+from pipeline.manifest import Item
+from pipeline.models.base import free_memory, released_message
+from pipeline.models.source import (
+    Source,
+    build_random_modules,
+    config_value,
+    default_max_side,
+    load_component,
+    vae_scale_factor,
+)
 from pipeline.models.tokenizer import build_char_tokenizer
+
+SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
+PIPELINES = (SIGMA, ALPHA)
+# diffusers' max_sequence_length defaults: T5 tokens per prompt.
+MAX_SEQUENCE_LENGTH = {SIGMA: 300, ALPHA: 120}
+MICRO_CONDITION_SAMPLE_SIZE = 128  # PixArtAlphaPipeline adds them for this transformer sample_size only
+MODULES = ("transformer", "vae", "text_encoder")
 
 
 class PixArtAdapter:
@@ -26,26 +46,29 @@ class PixArtAdapter:
         name: str,
         transformer: PixArtTransformer2DModel,
         vae: AutoencoderKL,
-        text_encoder: T5EncoderModel,
-        tokenizer: PreTrainedTokenizerBase,
+        text_encoder: T5EncoderModel | None,
+        tokenizer: PreTrainedTokenizerBase | None,
         scheduler_class: str,
         scheduler_config: dict[str, Any],
-        max_sequence_length: int,
+        max_sequence_length: int | None,
         max_side: int,
+        pipeline: str = SIGMA,
     ):
         self.name = name
+        self.pipeline = pipeline
         self.transformer = transformer.eval()
         self.vae = vae.eval()
-        self.text_encoder = text_encoder.eval()
+        self.text_encoder = text_encoder.eval() if text_encoder is not None else None
         self.tokenizer = tokenizer
         self.scheduler_class = scheduler_class
         self.scheduler_config = dict(scheduler_config)
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[pipeline]
         self.max_side = max_side
         self.latent_channels = transformer.config.in_channels
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
+        self.micro_conditions = pipeline == ALPHA and transformer.config.sample_size == MICRO_CONDITION_SAMPLE_SIZE
 
     @property
     def device(self) -> torch.device:
@@ -66,6 +89,8 @@ class PixArtAdapter:
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """prompts (N) -> {"emb": [N, L, D] in the model dtype, "mask": [N, L] int64}."""
+        if self.text_encoder is None:
+            raise RuntimeError(released_message(self.name))
         text = [p.lower().strip() for p in prompts]
         tokens = self.tokenizer(
             text,
@@ -76,14 +101,26 @@ class PixArtAdapter:
             return_tensors="pt",
         )
         mask = tokens.attention_mask.to(self.device)
-        emb = self.text_encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
-        return {"emb": emb.to(self.dtype), "mask": mask}
+        emb = self.text_encoder(tokens.input_ids.to(self.text_encoder.device), attention_mask=mask.to(self.text_encoder.device))[0]
+        return {"emb": emb.to(self.device, self.dtype), "mask": mask}
+
+    def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
+        """PixArt-Alpha at sample_size 128: resolution [n, 2] = (height, width) and aspect ratio
+        [n, 1] = height / width, in the model dtype, exactly as diffusers builds them."""
+        if not self.micro_conditions:
+            return {}
+        resolution = torch.tensor([height, width]).repeat(n, 1)
+        aspect_ratio = torch.tensor([float(height / width)]).repeat(n, 1)
+        return {
+            "resolution": resolution.to(dtype=self.dtype, device=self.device),
+            "aspect_ratio": aspect_ratio.to(dtype=self.dtype, device=self.device),
+        }
 
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         """Per-row inputs of one CFG step. Conditioning is stacked [uncond, cond] on dim 1 so that
         batch stays dim 0 and a smaller bucket is a plain slice of the largest one's buffers."""
         length, dim = self.max_sequence_length, self.cond_dim
-        return {
+        specs = {
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
@@ -91,9 +128,14 @@ class PixArtAdapter:
             # Padded rows attend to one token, never to none (an all-masked row is NaN in softmax).
             "mask": InputSpec((2, length), torch.int64, fill=1),
         }
+        if self.micro_conditions:
+            specs["resolution"] = InputSpec((2,), self.dtype, fill=1.0)
+            specs["aspect_ratio"] = InputSpec((1,), self.dtype, fill=1.0)
+        return specs
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One CFG step, graph-safe: x [B,C,h,w], t [B], g [B], emb [B,2,L,D], mask [B,2,L] -> eps [B,C,h,w].
+        """One CFG step, graph-safe: x [B,C,h,w], t [B], g [B], emb [B,2,L,D], mask [B,2,L]
+        (+ resolution [B,2], aspect_ratio [B,1] for Alpha at 1024 px) -> eps [B,C,h,w].
 
         One transformer forward over [uncond; cond] (2B rows), the guidance combine in the same
         region; t and g are tensors so a captured graph reads their current values at replay.
@@ -102,12 +144,15 @@ class PixArtAdapter:
         b = x.shape[0]
         emb = inputs["emb"].transpose(0, 1).reshape(2 * b, *inputs["emb"].shape[2:])
         mask = inputs["mask"].transpose(0, 1).reshape(2 * b, -1)
+        added = {"resolution": None, "aspect_ratio": None}
+        if self.micro_conditions:
+            added = {k: torch.cat([inputs[k], inputs[k]]) for k in added}
         out = self.transformer(
             torch.cat([x, x]),
             encoder_hidden_states=emb,
             encoder_attention_mask=mask,
             timestep=torch.cat([t, t]),
-            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+            added_cond_kwargs=added,
             return_dict=False,
         )[0]
         if self.learned_sigma:
@@ -125,35 +170,63 @@ class PixArtAdapter:
         """latents [B,C,h,w] -> images [B,3,H,W] in [-1, 1] (float, unclamped)."""
         return self.vae.decode(latents.to(self.vae.dtype) / self.vae.config.scaling_factor, return_dict=False)[0]
 
-
-def limits_from_arch(arch: dict[str, Any]) -> int:
-    """Pixel granularity of a PixArt architecture without building it: VAE downscale x patch size."""
-    vae_scale = 2 ** (len(arch["vae"]["block_out_channels"]) - 1)
-    return vae_scale * arch["transformer"].get("patch_size", 2)
+    def release_text_encoders(self) -> None:
+        self.text_encoder = None
+        free_memory()
 
 
-def build_random(
-    name: str,
-    arch: dict[str, Any],
-    scheduler: dict[str, Any],
-    max_sequence_length: int,
-    max_side: int,
-    init_seed: int,
-) -> PixArtAdapter:
-    """Build the architecture with seeded random weights on the CPU (the same weights on any device)."""
-    torch.manual_seed(init_seed)
-    transformer = PixArtTransformer2DModel(**arch["transformer"])
-    vae = AutoencoderKL(**arch["vae"])
-    text_encoder = T5EncoderModel(T5Config(**arch["text_encoder"]))
-    tokenizer = build_char_tokenizer()
+# ---- the family functions (pipeline.models.base.Family) --------------------------------------
+
+
+def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
+    """Granularity: VAE factor x patch size. Largest side: model.max_side, or twice the native
+    side (the largest side of diffusers' aspect-ratio bins for this sample size)."""
+    transformer = source.configs["transformer"]
+    f = vae_scale_factor(source.configs["vae"])
+    patch = config_value(PixArtTransformer2DModel, transformer, "patch_size")
+    native = config_value(PixArtTransformer2DModel, transformer, "sample_size") * f
+    return f * patch, default_max_side(native, None, cfg.max_side)
+
+
+def item_check(source: Source) -> Callable[[Item], list[str]] | None:
+    return None
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> PixArtAdapter:
+    if source.path is None:
+        arch = source.configs
+        modules = build_random_modules(
+            {
+                "transformer": lambda: PixArtTransformer2DModel(**arch["transformer"]),
+                "vae": lambda: AutoencoderKL(**arch["vae"]),
+                "text_encoder": lambda: T5EncoderModel(T5Config(**arch["text_encoder"])),
+            },
+            cfg.init_seed, cfg.init_device, device, dtype,
+        )
+        tokenizer, name = build_char_tokenizer(), cfg.name
+    else:
+        modules = {m: load_component(source, m, dtype, device) for m in MODULES}
+        tokenizer, name = load_component(source, "tokenizer", dtype, device), source.path.name
+    scheduler_class, scheduler_config = source.scheduler
     return PixArtAdapter(
         name,
-        transformer,
-        vae,
-        text_encoder,
+        modules["transformer"],
+        modules["vae"],
+        modules["text_encoder"],
         tokenizer,
-        scheduler["class_name"],
-        scheduler.get("config", {}),
-        max_sequence_length,
-        max_side,
+        scheduler_class,
+        scheduler_config,
+        cfg.max_sequence_length,
+        limits(source, cfg)[1],
+        pipeline=source.pipeline,
+    )
+
+
+def to_diffusers(adapter: PixArtAdapter):
+    return getattr(diffusers, adapter.pipeline)(
+        tokenizer=adapter.tokenizer,
+        text_encoder=adapter.text_encoder,
+        vae=adapter.vae,
+        transformer=adapter.transformer,
+        scheduler=adapter.new_scheduler(),
     )

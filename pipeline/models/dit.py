@@ -1,0 +1,211 @@
+"""DiT: class-conditional ImageNet generation. A row's prompt is a class name; no text encoder.
+
+Mirrors diffusers' DiTPipeline: class names map to ids as its `get_label_ids` maps them (id2label
+from model_index.json, or the transformer config; each entry a comma-separated list of synonyms,
+stripped; a later id wins a shared name); CFG runs one forward over [class; null class 1000], combines
+the first C channels (the learned-sigma channels are split off), and the image is decoded from
+`1 / scaling_factor * latents`. DiTPipeline generates at the transformer's native size only, so that
+is the only size a manifest may ask for. A negative prompt has no meaning here and is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import diffusers
+import torch
+from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+from bcg.buffers import InputSpec
+from pipeline.config import ModelConfig
+from pipeline.manifest import Item
+from pipeline.models.source import (
+    Source,
+    build_random_modules,
+    config_value,
+    default_max_side,
+    load_component,
+    vae_scale_factor,
+)
+
+PIPELINES = ("DiTPipeline",)
+NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the unconditional half of CFG
+MODULES = ("transformer", "vae")
+
+
+class DiTAdapter:
+    family = "dit"
+
+    def __init__(
+        self,
+        name: str,
+        transformer: DiTTransformer2DModel,
+        vae: AutoencoderKL,
+        labels: dict[str, int],
+        id2label: dict[str, str] | None,
+        scheduler_class: str,
+        scheduler_config: dict[str, Any],
+        pipeline: str = PIPELINES[0],
+    ):
+        self.name = name
+        self.pipeline = pipeline
+        self.transformer = transformer.eval()
+        self.vae = vae.eval()
+        self.labels = labels
+        self.id2label = id2label
+        self.scheduler_class = scheduler_class
+        self.scheduler_config = dict(scheduler_config)
+        self.latent_channels = transformer.config.in_channels
+        self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.max_side = self.granularity = transformer.config.sample_size * self.vae_scale_factor
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """class names (N) -> {"y": [N] int64 class ids}; "" (the default negative prompt, and the
+        prompt cache's padding) is the null class."""
+        unknown = sorted({p for p in prompts if p and p not in self.labels})
+        if unknown:
+            raise ValueError(f"model {self.name}: not class names of this DiT model: {unknown}")
+        ids = [self.labels[p] if p else NULL_CLASS for p in prompts]
+        return {"y": torch.tensor(ids, dtype=torch.int64, device=self.device)}
+
+    def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
+        return {
+            "x": InputSpec(self.latent_shape(height, width), self.dtype),
+            "t": InputSpec((), torch.float32),
+            "g": InputSpec((), torch.float32),
+            "y": InputSpec((2,), torch.int64, fill=NULL_CLASS),  # [negative (null), class]
+        }
+
+    def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One CFG step, graph-safe: x [B,C,h,w], t [B], g [B], y [B,2] -> eps [B,C,h,w]. One forward
+        over [class; null] (2B rows, diffusers' order), guidance on the first C channels."""
+        x, t, g, y = inputs["x"], inputs["t"], inputs["g"], inputs["y"]
+        b, c = x.shape[:2]
+        out = self.transformer(
+            torch.cat([x, x]),
+            timestep=torch.cat([t, t]),
+            class_labels=torch.cat([y[:, 1], y[:, 0]]),
+            return_dict=False,
+        )[0]
+        cond, uncond = out[:, :c].chunk(2)
+        return (uncond + g.view(b, 1, 1, 1) * (cond - uncond)).to(x.dtype)
+
+    def new_scheduler(self):
+        return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(1 / self.vae.config.scaling_factor * latents).sample
+
+    def release_text_encoders(self) -> None:
+        """No text encoder: nothing to free."""
+
+
+# ---- class names -----------------------------------------------------------------------------
+
+
+def id2label_of(source: Source) -> dict[str, str] | None:
+    """id -> "name, synonym, ..." from model_index.json (where diffusers' DiTPipeline reads it) or
+    the transformer config; None when the checkpoint has none."""
+    table = source.index.get("id2label") or source.configs["transformer"].get("id2label")
+    return {str(k): v for k, v in table.items()} if table else None
+
+
+def class_names(source: Source) -> dict[str, int]:
+    """name -> class id, as DiTPipeline builds its `labels`. Without an id2label table (random
+    weights without `model.id2label`), the names are the ids themselves: "0" ... "999"."""
+    id2label = id2label_of(source)
+    if id2label is None:
+        classes = config_value(DiTTransformer2DModel, source.configs["transformer"], "num_embeds_ada_norm")
+        return {str(i): i for i in range(classes)}
+    labels = {}
+    for key, value in id2label.items():
+        for label in value.split(","):
+            labels[label.strip()] = int(key)
+    return labels
+
+
+# ---- the family functions (pipeline.models.base.Family) --------------------------------------
+
+
+def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
+    """DiTPipeline generates at sample_size x VAE factor only (its unpatchify assumes the native
+    square): granularity and largest side are both that side, so it is the one size accepted."""
+    f = vae_scale_factor(source.configs["vae"])
+    native = config_value(DiTTransformer2DModel, source.configs["transformer"], "sample_size") * f
+    return native, default_max_side(native, native, cfg.max_side)
+
+
+def item_check(source: Source) -> Callable[[Item], list[str]]:
+    labels = class_names(source)
+    where = f"id2label in {source.path}/model_index.json" if source.path else "model.id2label"
+    sample = ", ".join(repr(name) for name in list(labels)[:3])
+
+    def check(item: Item) -> list[str]:
+        reasons = []
+        if item.prompt not in labels:
+            reasons.append(
+                f"prompt {item.prompt!r} is not a class name of this DiT model (class-conditional: a prompt is "
+                f"one class name exactly as in {where}, e.g. {sample})"
+            )
+        if item.negative_prompt is not None:
+            reasons.append(
+                f"negative_prompt {item.negative_prompt!r} is not supported by DiT (CFG uses the null class "
+                f"{NULL_CLASS}); leave it null"
+            )
+        return reasons
+
+    return check
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
+    if source.path is None:
+        arch = source.configs
+        modules = build_random_modules(
+            {
+                "transformer": lambda: DiTTransformer2DModel(**arch["transformer"]),
+                "vae": lambda: AutoencoderKL(**arch["vae"]),
+            },
+            cfg.init_seed, cfg.init_device, device, dtype,
+        )
+        name = cfg.name
+    else:
+        modules = {m: load_component(source, m, dtype, device) for m in MODULES}
+        name = source.path.name
+    scheduler_class, scheduler_config = source.scheduler
+    return DiTAdapter(
+        name, modules["transformer"], modules["vae"], class_names(source), id2label_of(source),
+        scheduler_class, scheduler_config, pipeline=source.pipeline,
+    )
+
+
+def build_random_for_bench(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
+    """A random-weight DiT from a conf/model file (jobs/bench_scopes.py)."""
+    from pipeline.models import model_source  # the registry imports this module
+
+    return build(model_source(cfg), cfg, device, dtype)
+
+
+def to_diffusers(adapter: DiTAdapter):
+    pipe = getattr(diffusers, adapter.pipeline)(
+        transformer=adapter.transformer, vae=adapter.vae, scheduler=adapter.new_scheduler(), id2label=adapter.id2label
+    )
+    if adapter.id2label:  # so that save_pretrained writes it to model_index.json, where from_pretrained reads it
+        pipe.register_to_config(id2label=adapter.id2label)
+    return pipe

@@ -1,0 +1,247 @@
+"""Stable Diffusion 3 / 3.5: two CLIP text encoders + T5, the SD3 (MM-DiT) transformer with pooled
+projections, flow matching, VAE decode with shift.
+
+Mirrors diffusers' StableDiffusion3Pipeline: prompt encoding as its `encode_prompt` (clip_skip None,
+i.e. the penultimate CLIP hidden state; T5 max_sequence_length 256 by default; the CLIP embeddings
+of both encoders concatenated on the feature axis, zero-padded to T5's width and put before the T5
+tokens; pooled = [CLIP-1 pooled, CLIP-2 pooled]; no attention masks anywhere), [negative;
+positive] CFG, `latents / scaling_factor + shift_factor` before decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import diffusers
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, SD3Transformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+from bcg.buffers import InputSpec
+from pipeline.config import ModelConfig
+from pipeline.manifest import Item
+from pipeline.models.base import free_memory, released_message
+from pipeline.models.source import (
+    Source,
+    build_random_modules,
+    config_value,
+    default_max_side,
+    load_component,
+    vae_scale_factor,
+)
+from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer
+
+PIPELINES = ("StableDiffusion3Pipeline",)
+MAX_SEQUENCE_LENGTH = 256  # diffusers' default T5 tokens per prompt
+CLIPS = ("text_encoder", "text_encoder_2")
+TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
+
+
+class SD3Adapter:
+    family = "sd3"
+
+    def __init__(
+        self,
+        name: str,
+        transformer: SD3Transformer2DModel,
+        vae: AutoencoderKL,
+        text_encoders: dict[str, torch.nn.Module | None],  # text_encoder, text_encoder_2, text_encoder_3 (T5, may be None)
+        tokenizers: dict[str, Any],  # tokenizer, tokenizer_2, tokenizer_3
+        scheduler_class: str,
+        scheduler_config: dict[str, Any],
+        max_sequence_length: int | None,
+        max_side: int,
+        pipeline: str = PIPELINES[0],
+    ):
+        self.name = name
+        self.pipeline = pipeline
+        self.transformer = transformer.eval()
+        self.vae = vae.eval()
+        self.text_encoders = dict(text_encoders)
+        self.tokenizers = dict(tokenizers)
+        self.scheduler_class = scheduler_class
+        self.scheduler_config = dict(scheduler_config)
+        self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH
+        self.max_side = max_side
+        # diffusers pads both CLIPs to the first tokenizer's model_max_length (77 for CLIP)
+        self.clip_length = self.tokenizers["tokenizer"].model_max_length
+        self.latent_channels = transformer.config.in_channels
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.granularity = self.vae_scale_factor * transformer.config.patch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """prompts (N) -> {"emb": [N, 77 + L, D_t5], "pooled": [N, P]}, both in the model dtype."""
+        if self.text_encoders["text_encoder"] is None:
+            raise RuntimeError(released_message(self.name))
+        clip_dtype = self.text_encoders["text_encoder"].dtype
+        hidden, pooled = zip(*(self._clip(i, prompts, clip_dtype) for i in range(2)))
+        t5 = self._t5(prompts, clip_dtype)
+        clip = torch.cat(hidden, dim=-1)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        emb = torch.cat([clip, t5], dim=-2)
+        return {"emb": emb.to(self.device, self.dtype), "pooled": torch.cat(pooled, dim=-1).to(self.device, self.dtype)}
+
+    def _clip(self, index: int, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """CLIP `index` -> (penultimate hidden state [N, 77, H] in `dtype`, pooled projection [N, P])."""
+        encoder = self.text_encoders[CLIPS[index]]
+        tokens = self.tokenizers[TOKENIZERS[index]](
+            prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
+        )
+        out = encoder(tokens.input_ids.to(encoder.device), output_hidden_states=True)
+        return out.hidden_states[-2].to(dtype), out[0]
+
+    def _t5(self, prompts: list[str], clip_dtype: torch.dtype) -> torch.Tensor:
+        """T5 last hidden state [N, L, D]; zeros of the transformer's joint width when the
+        checkpoint has no T5 (as diffusers)."""
+        encoder = self.text_encoders.get("text_encoder_3")
+        if encoder is None:
+            shape = (len(prompts), self.max_sequence_length, self.transformer.config.joint_attention_dim)
+            return torch.zeros(shape, device=self.device, dtype=clip_dtype)
+        tokens = self.tokenizers["tokenizer_3"](
+            prompts,
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
+        return encoder(tokens.input_ids.to(encoder.device))[0].to(encoder.dtype)
+
+    def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
+        cfg = self.transformer.config
+        return {
+            "x": InputSpec(self.latent_shape(height, width), self.dtype),
+            "t": InputSpec((), torch.float32),
+            "g": InputSpec((), torch.float32),
+            "emb": InputSpec((2, self.clip_length + self.max_sequence_length, cfg.joint_attention_dim), self.dtype),
+            "pooled": InputSpec((2, cfg.pooled_projection_dim), self.dtype),
+        }
+
+    def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One CFG step, graph-safe: x [B,C,h,w], t [B] (sigma x 1000), g [B], emb [B,2,S,D],
+        pooled [B,2,P] -> velocity [B,C,h,w]; one forward over [uncond; cond] (2B rows)."""
+        x, t, g = inputs["x"], inputs["t"], inputs["g"]
+        b = x.shape[0]
+        emb = inputs["emb"].transpose(0, 1).reshape(2 * b, *inputs["emb"].shape[2:])
+        pooled = inputs["pooled"].transpose(0, 1).reshape(2 * b, -1)
+        out = self.transformer(
+            hidden_states=torch.cat([x, x]),
+            timestep=torch.cat([t, t]),
+            encoder_hidden_states=emb,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+        uncond, cond = out.chunk(2)
+        return (uncond + g.view(b, 1, 1, 1) * (cond - uncond)).to(x.dtype)
+
+    def new_scheduler(self):
+        return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        return self.vae.decode(latents, return_dict=False)[0]
+
+    def release_text_encoders(self) -> None:
+        self.text_encoders = {name: None for name in self.text_encoders}
+        free_memory()
+
+
+# ---- the family functions (pipeline.models.base.Family) --------------------------------------
+
+
+def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
+    """Granularity: VAE factor x patch size. Largest side: model.max_side, or twice the native
+    side, never above the positional-embedding grid (pos_embed_max_size patches), which the
+    transformer cannot go beyond."""
+    check_scheduler(source)
+    transformer = source.configs["transformer"]
+    f = vae_scale_factor(source.configs["vae"])
+    patch = config_value(SD3Transformer2DModel, transformer, "patch_size")
+    native = config_value(SD3Transformer2DModel, transformer, "sample_size") * f
+    grid = config_value(SD3Transformer2DModel, transformer, "pos_embed_max_size")
+    return f * patch, default_max_side(native, grid * patch * f if grid else None, cfg.max_side)
+
+
+def check_scheduler(source: Source) -> None:
+    name, config = source.scheduler
+    if config.get("use_dynamic_shifting"):
+        raise ValueError(
+            f"model {source.path or source.pipeline}: scheduler {name} has use_dynamic_shifting=true, which needs a "
+            "per-resolution shift (mu) that is not supported; SD3 and SD3.5 checkpoints ship a fixed shift"
+        )
+
+
+def item_check(source: Source) -> Callable[[Item], list[str]] | None:
+    return None
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> SD3Adapter:
+    check_scheduler(source)
+    encoders = ["text_encoder", "text_encoder_2", "text_encoder_3"]
+    if source.path is None:
+        arch = source.configs
+        factories = {
+            "transformer": lambda: SD3Transformer2DModel(**arch["transformer"]),
+            "vae": lambda: AutoencoderKL(**arch["vae"]),
+            "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder"])),
+            "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder_2"])),
+            "text_encoder_3": lambda: T5EncoderModel(T5Config(**arch["text_encoder_3"])),
+        }
+        modules = build_random_modules(factories, cfg.init_seed, cfg.init_device, device, dtype)
+        tokenizers = {"tokenizer": build_clip_char_tokenizer(), "tokenizer_2": build_clip_char_tokenizer(),
+                      "tokenizer_3": build_char_tokenizer()}
+        name = cfg.name
+    else:
+        present = ["transformer", "vae"] + [e for e in encoders if source.has(e)]
+        missing = [e for e in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2") if not source.has(e)]
+        if missing:
+            raise ValueError(f"model.path={source.path}: the SD3 pipeline needs {missing}, which model_index.json lacks")
+        modules = {m: load_component(source, m, dtype, device) for m in present}
+        tokenizers = {t: load_component(source, t, dtype, device) for t in TOKENIZERS if source.has(t)}
+        name = source.path.name
+    scheduler_class, scheduler_config = source.scheduler
+    return SD3Adapter(
+        name,
+        modules["transformer"],
+        modules["vae"],
+        {e: modules.get(e) for e in encoders},
+        tokenizers,
+        scheduler_class,
+        scheduler_config,
+        cfg.max_sequence_length,
+        limits(source, cfg)[1],
+        pipeline=source.pipeline,
+    )
+
+
+def to_diffusers(adapter: SD3Adapter):
+    enc, tok = adapter.text_encoders, adapter.tokenizers
+    return getattr(diffusers, adapter.pipeline)(
+        transformer=adapter.transformer,
+        scheduler=adapter.new_scheduler(),
+        vae=adapter.vae,
+        text_encoder=enc["text_encoder"],
+        tokenizer=tok["tokenizer"],
+        text_encoder_2=enc["text_encoder_2"],
+        tokenizer_2=tok["tokenizer_2"],
+        text_encoder_3=enc["text_encoder_3"],
+        tokenizer_3=tok.get("tokenizer_3"),
+    )

@@ -1,0 +1,234 @@
+"""Where a model comes from: a local diffusers directory, or a config with random weights.
+
+A `Source` holds every component's config (dicts, as diffusers and transformers store them) and,
+for a directory, which class each component is. Reading one touches only JSON files, so the
+manifest can be checked against a checkpoint's limits before any weights are loaded. Loading
+weights from a directory is safetensors only, offline only, and only classes of diffusers or
+transformers themselves (no remote code).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import diffusers
+import torch
+import transformers
+from diffusers.utils import logging as diffusers_logging
+from packaging import version
+
+MODEL_INDEX = "model_index.json"
+LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+INIT_DEVICES = ("cpu", "target")
+# transformers renamed `torch_dtype` to `dtype` in 4.56 (diffusers' loader makes the same choice).
+_TRANSFORMERS_DTYPE_KWARG = (
+    "dtype" if version.parse(version.parse(transformers.__version__).base_version) >= version.parse("4.56") else "torch_dtype"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    family: str
+    pipeline: str  # the diffusers pipeline class this model is (or mirrors, for random weights)
+    configs: dict[str, dict[str, Any]]  # component -> config; "scheduler" holds `_class_name`
+    path: Path | None = None  # the local diffusers directory; None for random weights
+    classes: dict[str, tuple[str, str]] = field(default_factory=dict)  # component -> (library, class)
+    index: dict[str, Any] = field(default_factory=dict)  # model_index.json
+
+    def has(self, component: str) -> bool:
+        return component in self.configs or component in self.classes
+
+    @property
+    def scheduler(self) -> tuple[str, dict[str, Any]]:
+        """(diffusers scheduler class name, its config)."""
+        config = dict(self.configs["scheduler"])
+        return config["_class_name"], config
+
+
+# ---- reading a directory (JSON only) --------------------------------------------------------
+
+
+def force_offline() -> None:
+    """No network for anything loaded from here on (hub lookups, downloads)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
+def read_pipeline_dir(path: str | os.PathLike, pipelines: dict[str, str]) -> Source:
+    """A local diffusers pipeline directory -> its Source (configs only, no weights).
+
+    `pipelines` maps supported diffusers pipeline class names to family names; anything else is a
+    ValueError naming what is supported.
+    """
+    root = Path(path).expanduser()
+    where = f"model.path={os.fspath(path)}"
+    if not root.exists():
+        raise ValueError(f"{where}: no such directory")
+    if not root.is_dir():
+        raise ValueError(
+            f"{where} is a file; expected a local diffusers pipeline directory (model_index.json plus one "
+            "folder per component, as pipeline.save_pretrained(dir, safe_serialization=True) writes). "
+            "Single-file checkpoints are not supported."
+        )
+    index_file = root / MODEL_INDEX
+    if not index_file.is_file():
+        raise ValueError(
+            f"{where} has no {MODEL_INDEX}: not a diffusers pipeline directory (save one with "
+            "pipeline.save_pretrained(dir, safe_serialization=True))"
+        )
+    index = _read_json(index_file)
+    pipeline = index.get("_class_name")
+    if pipeline not in pipelines:
+        supported = ", ".join(f"{cls} ({fam})" for cls, fam in sorted(pipelines.items()))
+        raise ValueError(
+            f"{where}: {MODEL_INDEX} names pipeline class {pipeline!r}, which is not supported; "
+            f"supported pipeline classes (family): {supported}"
+        )
+    classes = _component_classes(index, where)
+    configs = {}
+    for name in classes:
+        folder = root / name
+        if not folder.is_dir():
+            raise ValueError(f"{where}: {MODEL_INDEX} lists component {name!r} but there is no folder {folder}")
+        config = folder / ("scheduler_config.json" if name == "scheduler" else "config.json")
+        if config.is_file():
+            configs[name] = _read_json(config)
+    if "scheduler" not in configs:
+        raise ValueError(f"{where}: no scheduler/scheduler_config.json (the checkpoint's own sampler)")
+    source = Source(pipelines[pipeline], pipeline, configs, root, classes, index)
+    check_safetensors(source)
+    return source
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+
+
+def _component_classes(index: dict[str, Any], where: str) -> dict[str, tuple[str, str]]:
+    """model_index.json's components: name -> (library, class); [null, null] means absent."""
+    out = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or entry[0] is None:
+            continue
+        library, cls = entry
+        if library not in LIBRARIES:
+            raise ValueError(
+                f"{where}: component {name!r} comes from {library!r}; only components of "
+                f"{sorted(LIBRARIES)} are loaded (no remote code)"
+            )
+        out[name] = (library, cls)
+    return out
+
+
+# ---- loading weights -------------------------------------------------------------------------
+
+
+def component_class(source: Source, name: str) -> type:
+    library, cls = source.classes[name]
+    found = getattr(LIBRARIES[library], cls, None)
+    if not isinstance(found, type):
+        raise ValueError(f"model.path={source.path}: {library} has no class {cls!r} (component {name!r})")
+    return found
+
+
+def _is_model(cls: type) -> bool:
+    return issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel))
+
+
+def check_safetensors(source: Source) -> None:
+    """Every weighted component must have safetensors: pickles can run code when loaded."""
+    for name in source.classes:
+        if not _is_model(component_class(source, name)):
+            continue
+        folder = source.path / name
+        files = sorted(p.name for p in folder.iterdir() if p.is_file())
+        if any(f.endswith(".safetensors") for f in files):
+            continue
+        pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+        found = f"only pickle weights ({', '.join(pickles)})" if pickles else "no weights"
+        raise ValueError(
+            f"model.path={source.path}: component {name!r} has {found}; only safetensors are loaded "
+            "(pickle files can run code when loaded). Convert it with "
+            "pipeline.save_pretrained(dir, safe_serialization=True)."
+        )
+
+
+def load_component(source: Source, name: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """One component from the directory: models in `dtype` on `device`, tokenizers as they are."""
+    cls = component_class(source, name)
+    folder = source.path / name
+    if not _is_model(cls):
+        return cls.from_pretrained(folder, local_files_only=True)
+    kwargs = dict(local_files_only=True, use_safetensors=True)
+    if issubclass(cls, transformers.PreTrainedModel):
+        kwargs[_TRANSFORMERS_DTYPE_KWARG] = dtype
+    else:
+        kwargs["torch_dtype"] = dtype
+    return cls.from_pretrained(folder, **kwargs).to(device).eval()
+
+
+# ---- random weights --------------------------------------------------------------------------
+
+
+def build_random_modules(
+    factories: dict[str, Callable[[], torch.nn.Module]],
+    seed: int,
+    init_device: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.nn.Module]:
+    """Build each module in order from one seed. `init_device=cpu`: on the CPU, then moved, so the
+    weights are the same on every device (small models); `target`: initialised directly on
+    `device` (no host copy of a multi-billion-parameter model; weights then depend on the device's
+    random generator)."""
+    if init_device not in INIT_DEVICES:
+        raise ValueError(f"model.init_device={init_device!r} is not accepted; choose one of {list(INIT_DEVICES)}")
+    where = torch.device("cpu") if init_device == "cpu" else device
+    torch.manual_seed(seed)
+    out = {}
+    with torch.device(where):
+        for name, factory in factories.items():
+            out[name] = factory()
+    with quiet_diffusers():  # diffusers warns on every dtype cast; the dtype is ours to choose
+        return {name: m.to(device=device, dtype=dtype).eval() for name, m in out.items()}
+
+
+def default_max_side(native: int, hard: int | None, configured: int | None) -> int:
+    """The largest side a manifest may ask for: `configured` when set, else twice the native side
+    (the largest side in diffusers' aspect-ratio bins), never above a hard architectural limit."""
+    side = configured if configured is not None else 2 * native
+    return min(side, hard) if hard is not None else side
+
+
+@contextmanager
+def quiet_diffusers() -> Iterator[None]:
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(level)
+
+
+def config_value(cls: type, config: dict[str, Any], key: str) -> Any:
+    """A component config's value, or the class's own default where the JSON leaves it out (as
+    diffusers does when it builds the class from that config)."""
+    if key in config:
+        return config[key]
+    return inspect.signature(cls.__init__).parameters[key].default
+
+
+def vae_scale_factor(vae_config: dict[str, Any]) -> int:
+    """Pixels per latent pixel, as diffusers' pipelines compute it: 2 ** (VAE levels - 1)."""
+    return 2 ** (len(config_value(diffusers.AutoencoderKL, vae_config, "block_out_channels")) - 1)

@@ -1,0 +1,100 @@
+"""Resume: what is already committed under output.dir, and whether it still matches the job.
+
+A batch is committed when its shard file `shards/<batch key>.parquet` exists: the writer renames it
+into place after the batch's images, so it is never partial. On start the job skips committed
+batches and runs the rest exactly as planned. If a committed row no longer matches the job (the
+manifest row or the generation settings changed, or the plan put other ids in that batch) the job
+refuses and names the ids, unless `output.on_conflict=overwrite`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow.parquet as pq
+
+from pipeline.fsutil import TMP_PREFIX
+from pipeline.planner import Batch
+from pipeline.writer import SHARDS_DIR
+
+# Shard columns that must equal what the job would write now for a committed row to count as done.
+COMPARED = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "guidance_scale", "model", "sampler")
+ON_CONFLICT = ("error", "overwrite")
+
+
+class ResumeConflict(ValueError):
+    """Committed outputs disagree with the job; the message names the ids."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    rows: dict[str, list[dict[str, Any]]]  # batch key -> its shard rows (COMPARED + id)
+
+    @property
+    def ids(self) -> int:
+        return sum(len(r) for r in self.rows.values())
+
+
+def read_committed(out_dir: Path) -> Committed:
+    shards = Path(out_dir) / SHARDS_DIR
+    rows: dict[str, list[dict[str, Any]]] = {}
+    if shards.is_dir():
+        for path in sorted(shards.glob("*.parquet")):
+            if path.name.startswith(TMP_PREFIX):
+                continue
+            rows[path.stem] = pq.read_table(path, columns=["id", *COMPARED]).to_pylist()
+    return Committed(rows)
+
+
+def expected_row(item, steps: int, guidance_scale: float, model: str, sampler: str) -> dict[str, Any]:
+    return {
+        "id": item.id, "prompt": item.prompt, "negative_prompt": item.negative_prompt, "seed": item.seed,
+        "width": item.width, "height": item.height, "steps": steps, "guidance_scale": guidance_scale,
+        "model": model, "sampler": sampler,
+    }
+
+
+def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, settings: dict[str, Any]) -> dict[str, str]:
+    """Committed batch key -> why it no longer matches the full plan (missing key: it matches)."""
+    planned = {b.key: b for b in plan_batches}
+    conflicts = {}
+    for key, rows in committed.rows.items():
+        batch = planned.get(key)
+        if batch is None:
+            conflicts[key] = f"batch not in the plan any more (ids {_ids(rows)})"
+            continue
+        if [r["id"] for r in rows] != [it.id for it in batch.items]:
+            conflicts[key] = f"the plan puts other ids in this batch (committed {_ids(rows)})"
+            continue
+        for row, item in zip(rows, batch.items):
+            want = expected_row(item, **settings)
+            changed = [f for f in COMPARED if row[f] != want[f]]
+            if changed:
+                conflicts[key] = f"id {item.id!r}: {', '.join(changed)} changed"
+                break
+    return conflicts
+
+
+def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) -> str:
+    lines = [f"{out_dir} holds {len(conflicts)} committed batch(es) that do not match this job:"]
+    lines += [f"  {key}: {why}" for key, why in sorted(conflicts.items())[:limit]]
+    if len(conflicts) > limit:
+        lines.append(f"  ... and {len(conflicts) - limit} more")
+    lines.append("Use another output.dir, or output.on_conflict=overwrite to regenerate them.")
+    return "\n".join(lines)
+
+
+def remove_batches(out_dir: Path, committed: Committed, keys: Sequence[str]) -> None:
+    """output.on_conflict=overwrite: drop conflicting shard files (their images are rewritten or,
+    for ids no longer planned, removed), so the directory never mixes two jobs."""
+    for key in keys:
+        for row in committed.rows[key]:
+            (Path(out_dir) / "images" / f"{row['id']}.png").unlink(missing_ok=True)
+        (Path(out_dir) / SHARDS_DIR / f"{key}.parquet").unlink(missing_ok=True)
+
+
+def _ids(rows: list[dict[str, Any]], limit: int = 5) -> str:
+    ids = [repr(r["id"]) for r in rows]
+    return ", ".join(ids[:limit]) + (f" and {len(ids) - limit} more" if len(ids) > limit else "")

@@ -1,0 +1,53 @@
+"""Split one plan across `shard.count` processes (GPUs, nodes). Pure, no torch.
+
+Every process computes the same full plan, then keeps its own contiguous slice of it:
+- batches keep plan order (grouped by resolution), so a slice cuts a resolution group only where a
+  boundary falls inside it: at most `count - 1` groups are split, and each process captures graphs
+  for few resolutions;
+- the cut points balance predicted cost, not row counts: a batch costs
+  `(bucket + batch_overhead_rows) * height * width` (padded rows and the per-batch overhead run
+  too; work grows with pixels), and a batch belongs to the slice its cost midpoint falls in, so
+  every slice is within one batch's cost of the mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.planner import Batch, Plan
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(
+                f"shard.index={self.index} shard.count={self.count} is not accepted: "
+                "need shard.count >= 1 and 0 <= shard.index < shard.count"
+            )
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}-of-{self.count:05d}"
+
+
+def batch_cost(batch: Batch, batch_overhead_rows: float) -> float:
+    return (batch.bucket + batch_overhead_rows) * batch.height * batch.width
+
+
+def shard_batches(plan: Plan, shard: ShardSpec, batch_overhead_rows: float) -> tuple[Batch, ...]:
+    """The batches of `plan` that process `shard.index` of `shard.count` runs, in plan order."""
+    if shard.count == 1:
+        return plan.batches
+    costs = [batch_cost(b, batch_overhead_rows) for b in plan.batches]
+    total = sum(costs)
+    mine, before = [], 0.0
+    for batch, cost in zip(plan.batches, costs):
+        midpoint = before + cost / 2
+        if min(int(midpoint * shard.count / total), shard.count - 1) == shard.index:
+            mine.append(batch)
+        before += cost
+    return tuple(mine)

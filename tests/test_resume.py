@@ -1,0 +1,168 @@
+"""A crashed, interrupted or failing job is finished by running the same command again."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import REPO, cpu_job, rows, write_manifest
+from pipeline import writer as writer_module
+from pipeline.guard import JobLock, LockedError
+from pipeline.job import run
+from pipeline.models.pixart import PixArtAdapter
+from pipeline.resume import ResumeConflict
+from pipeline.writer import WriteError
+
+MANY = rows(*[(f"r{k:03d}", 64, 64, k) for k in range(24)])
+
+
+def cli(manifest, out, *extra):
+    args = [sys.executable, "-m", "pipeline.run", "+job=dataset", f"manifest.path={manifest}", f"output.dir={out}",
+            "runtime.device=cpu", "precision=fp32", "runtime.progress=false", "sampler.steps=4", "bcg.ladder=[1]", *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_shards(out, n, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(list((out / "shards").glob("*.parquet")) if (out / "shards").is_dir() else []) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("no shards appeared")
+
+
+def committed_ids(out):
+    return sorted(pq.read_table(out / "shards").column("id").to_pylist())
+
+
+def visible_tmp(out):
+    return [p for p in out.rglob("*") if p.name.startswith(".tmp-")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("whole")
+    manifest = write_manifest(d / "m.parquet", MANY)
+    proc = cli(manifest, d / "out")
+    assert proc.wait(timeout=300) == 0, proc.communicate()
+    return manifest, d / "out"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT)])
+def test_stopped_job_finishes_when_run_again_with_identical_images(uninterrupted, tmp_path, sig, code):
+    manifest, whole = uninterrupted
+    out = tmp_path / "out"
+    proc = cli(manifest, out)
+    wait_for_shards(out, 3, proc)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == code, proc.communicate()
+    first = committed_ids(out)
+    assert 3 <= len(first) < len(MANY) and not (out / "_SUCCESS").exists()
+    again = cli(manifest, out)
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    assert f"{len(first)} skipped" in stdout + stderr
+    assert committed_ids(out) == sorted(r["id"] for r in MANY)  # every id exactly once
+    assert not visible_tmp(out)
+    for image in (whole / "images").iterdir():
+        assert (out / "images" / image.name).read_bytes() == image.read_bytes(), image.name
+
+
+def test_finished_job_run_again_does_nothing_and_says_so(uninterrupted, caplog):
+    manifest, whole = uninterrupted
+    before = {p: p.stat().st_mtime_ns for p in (whole / "images").iterdir()}
+    cfg = cpu_job(manifest, whole, "sampler.steps=4", "bcg.ladder=[1]")
+    with caplog.at_level("INFO"):
+        report = run(cfg)
+    assert report["images"]["skipped"] == len(MANY) and report["images"]["ok"] == 0
+    assert "nothing to do" in caplog.text
+    assert {p: p.stat().st_mtime_ns for p in (whole / "images").iterdir()} == before
+
+
+def test_changed_manifest_row_is_refused_by_id_unless_overwrite(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
+    run(cpu_job(manifest, tmp_path / "out"))
+    changed = rows(("a", 64, 64, 1), ("b", 64, 64, 99))
+    write_manifest(manifest, changed)
+    with pytest.raises(ResumeConflict, match=r"id 'b': seed changed"):
+        run(cpu_job(manifest, tmp_path / "out"))
+    report = run(cpu_job(manifest, tmp_path / "out", "output.on_conflict=overwrite"))
+    assert report["images"]["ok"] == 2  # a and b shared one batch: both regenerated
+    table = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert {r["id"]: r["seed"] for r in table} == {"a": 1, "b": 99}
+
+
+def test_out_of_memory_retries_the_batch_split(tmp_path, monkeypatch):
+    guided = PixArtAdapter.guided_eps
+
+    def small_batches_only(self, inputs):
+        if inputs["x"].shape[0] > 1:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return guided(self, inputs)
+
+    monkeypatch.setattr(PixArtAdapter, "guided_eps", small_batches_only)
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"i{k}", 64, 64, k) for k in range(5)]))
+    report = run(cpu_job(manifest, tmp_path / "out"))
+    assert report["images"]["ok"] == 5 and report["oom_retries"] >= 2
+    shard = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert sorted(r["id"] for r in shard) == [f"i{k}" for k in range(5)]
+    assert {r["bucket"] for r in shard} == {1}
+    assert len({r["batch_key"] for r in shard}) == 2  # still committed under the planned keys (4 + 1)
+
+
+def test_row_that_never_fits_is_marked_failed(tmp_path, monkeypatch):
+    def never(self, inputs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(PixArtAdapter, "guided_eps", never)
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
+    report = run(cpu_job(manifest, tmp_path / "out"))
+    assert report["images"]["failed"] == 2
+    shard = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert all(r["status"] == "failed" and "out of memory" in r["error"] for r in shard)
+
+
+def test_disk_full_stops_the_job_and_keeps_what_was_committed(tmp_path, monkeypatch):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"i{k}", 64, 64, k) for k in range(6)]))
+    write = writer_module.atomic_write_bytes
+    calls = []
+
+    def fails_on_the_fourth_image(path, data):
+        calls.append(path)
+        if len(calls) == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write(path, data)
+
+    monkeypatch.setattr(writer_module, "atomic_write_bytes", fails_on_the_fourth_image)
+    with pytest.raises(WriteError, match="No space left on device"):
+        run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1]"))
+    assert committed_ids(tmp_path / "out") == ["i0", "i1", "i2"]
+    monkeypatch.setattr(writer_module, "atomic_write_bytes", write)
+    report = run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1]"))
+    assert report["images"]["skipped"] == 3 and report["images"]["ok"] == 3
+    assert committed_ids(tmp_path / "out") == [f"i{k}" for k in range(6)]
+
+
+def test_second_run_on_a_locked_output_dir_names_the_holder(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    with JobLock(tmp_path / "out", "shard-00000-of-00001"):
+        with pytest.raises(LockedError, match=rf"being written by pid {os.getpid()} on"):
+            run(cpu_job(manifest, tmp_path / "out"))
+    assert run(cpu_job(manifest, tmp_path / "out"))["images"]["ok"] == 1  # released
+
+
+def test_ids_cannot_write_outside_output_dir(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("../escape", 64, 64, 1), ("/abs", 64, 64, 2)))
+    with pytest.raises(ValueError, match="bad row"):
+        run(cpu_job(manifest, tmp_path / "out"))
+    assert not (tmp_path / "escape.png").exists()

@@ -1,0 +1,101 @@
+"""Splitting a plan across processes: pure checks, and sharded runs that equal one process's run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import cpu_job, rows, write_manifest
+from pipeline.job import run
+from pipeline.manifest import Item
+from pipeline.merge import main as merge_main
+from pipeline.planner import make_plan
+from pipeline.sharding import ShardSpec, batch_cost, shard_batches
+
+SIDES = [64, 96, 128, 256]
+
+
+def items(counts: dict[tuple[int, int], int]) -> list[Item]:
+    out, row = [], 0
+    for (h, w), n in counts.items():
+        for _ in range(n):
+            out.append(Item(f"i{row}", "p", None, w, h, row, row, {}))
+            row += 1
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.dictionaries(st.tuples(st.sampled_from(SIDES), st.sampled_from(SIDES)), st.integers(1, 40), min_size=1, max_size=5),
+    count=st.integers(1, 6),
+    overhead=st.sampled_from([0.0, 1.0, 3.0]),
+)
+def test_every_batch_in_exactly_one_shard_balanced_within_one_batch(counts, count, overhead):
+    plan = make_plan(items(counts), [1, 2, 4, 8], overhead)
+    shards = [shard_batches(plan, ShardSpec(i, count), overhead) for i in range(count)]
+    assert sorted(b.key for s in shards for b in s) == sorted(b.key for b in plan.batches)
+    assert [b.key for s in shards for b in s] == [b.key for b in plan.batches]  # contiguous slices, plan order
+    total = sum(batch_cost(b, overhead) for b in plan.batches)
+    largest = max(batch_cost(b, overhead) for b in plan.batches)
+    for s in shards:
+        assert abs(sum(batch_cost(b, overhead) for b in s) - total / count) <= largest
+    split_groups = sum(
+        len({i for i, s in enumerate(shards) if any((b.height, b.width) == res for b in s)}) - 1 for res in plan.resolutions()
+    )
+    assert split_groups <= count - 1
+    assert shards == [shard_batches(plan, ShardSpec(i, count), overhead) for i in range(count)]  # deterministic
+
+
+def test_cost_balances_pixels_not_rows():
+    # 32 small rows and 16 large ones (16x the pixels each): by cost, one shard takes the small
+    # rows and one large batch (40 rows), the other one large batch (8 rows).
+    plan = make_plan(items({(64, 64): 32, (256, 256): 16}), [8], 1.0)
+    a, b = (shard_batches(plan, ShardSpec(i, 2), 1.0) for i in range(2))
+    assert sum(len(x.items) for x in a) == 40 and sum(len(x.items) for x in b) == 8
+    assert [(x.height, x.width) for x in b] == [(256, 256)]
+
+
+@pytest.mark.parametrize("index, count", [(2, 2), (-1, 2), (0, 0)])
+def test_bad_shard_spec_is_named(index, count):
+    with pytest.raises(ValueError, match=f"shard.index={index} shard.count={count}"):
+        ShardSpec(index, count)
+
+
+def test_two_shards_in_turn_equal_one_process_and_merge_once_both_are_in(tmp_path, capsys):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"a{k}", 64, 64, k) for k in range(7)], *[(f"b{k}", 96, 64, 10 + k) for k in range(5)]))
+    run(cpu_job(manifest, tmp_path / "single"))
+    sharded = tmp_path / "sharded"
+    run(cpu_job(manifest, sharded, "shard.index=1", "shard.count=2"))
+    assert not (sharded / "_SUCCESS").exists() and not (sharded / "stats.json").exists()
+    assert merge_main([f"output.dir={sharded}"]) == 1
+    assert "1 of 2 shards not complete yet: [0]" in capsys.readouterr().err
+    run(cpu_job(manifest, sharded, "shard.index=0", "shard.count=2"))
+    assert (sharded / "_SUCCESS").exists()
+    stats = json.loads((sharded / "stats.json").read_text())
+    assert stats["images"]["ok"] == 12 and len(stats["shards"]) == 2
+    assert all(s["images"]["ok"] > 0 for s in stats["shards"])
+    for image in (tmp_path / "single" / "images").iterdir():
+        assert (sharded / "images" / image.name).read_bytes() == image.read_bytes(), image.name
+    assert merge_main([f"output.dir={sharded}"]) == 0
+
+
+def test_sharded_multirun_through_submitit_local_equals_one_process(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the `slurm` extra (hydra-submitit-launcher)")
+    from conftest import run_cli
+
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"a{k}", 64, 64, k) for k in range(5)], *[(f"b{k}", 96, 64, 10 + k) for k in range(3)]))
+    common = ["+job=dataset", f"manifest.path={manifest}", "runtime.device=cpu", "precision=fp32", "sampler.steps=2"]
+    single = run_cli(*common, f"output.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr[-2000:]
+    sharded = tmp_path / "sharded"
+    proc = run_cli("-m", *common, f"output.dir={sharded}", "shard.count=2", "shard.index=0,1",
+                   "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (sharded / "_SUCCESS").exists()  # merged by the callback at the end of the multirun
+    stats = json.loads((sharded / "stats.json").read_text())
+    assert stats["images"]["ok"] == 8 and sorted(s["shard"]["index"] for s in stats["shards"]) == [0, 1]
+    for image in (tmp_path / "single" / "images").iterdir():
+        assert (sharded / "images" / image.name).read_bytes() == image.read_bytes(), image.name
