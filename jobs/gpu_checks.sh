@@ -2,7 +2,7 @@
 # Every GPU check and benchmark, on a CUDA machine, from the repo root. Logs and JSON under $OUT
 # (default outputs/gpu); a short summary last.
 #   bash jobs/gpu_checks.sh tests    # the whole suite, cuda tests included; scope benchmark; GPU demo
-#   bash jobs/gpu_checks.sh bench    # engine benchmark (no torch.compile) and the diffusers comparison
+#   bash jobs/gpu_checks.sh bench    # cuda tests, GPU demo, engine benchmark (no torch.compile), diffusers comparison
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
@@ -22,6 +22,12 @@ if [ "$what" = tests ]; then
   echo "== scopes (rc=$scopes_rc)"; tail -12 "$OUT/bench_scopes.log"
   echo "== demo (rc=$demo_rc)"; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
 else
+  python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$OUT/pytest_cuda.log" 2>&1; cuda_rc=$?
+  rm -rf /tmp/gpu-demo
+  python3 -m pipeline.run +job=demo runtime.device=cuda precision=bf16 output.dir=/tmp/gpu-demo > "$OUT/demo.log" 2>&1; demo_rc=$?
+  cp /tmp/gpu-demo/stats.json "$OUT/demo_stats.json"
+  echo "== pytest cuda (rc=$cuda_rc)"; grep -E "PASSED|FAILED|ERROR|forward vs step" "$OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$OUT/pytest_cuda.log"
+  echo "== demo (rc=$demo_rc)"; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
   python3 jobs/bench_engine.py --no-compile --out "$OUT/bench_engine.json" > "$OUT/bench_engine.log" 2>&1; engine_rc=$?
   python3 jobs/bench_diffusers.py --out "$OUT/bench_diffusers.json" > "$OUT/bench_diffusers.log" 2>&1; diff_rc=$?
   echo "== engine (rc=$engine_rc)"; tail -22 "$OUT/bench_engine.log"

@@ -23,4 +23,7 @@ def resolve_device(name: str, shard_index: int = 0) -> torch.device:
         return torch.device("cuda", shard_index % torch.cuda.device_count())
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"runtime.device={name} but no CUDA device is available; use runtime.device=auto or cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # an index, so torch.cuda.set_device takes it
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
