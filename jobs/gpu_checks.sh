@@ -2,7 +2,7 @@
 # Every GPU check and benchmark, on a CUDA machine, from the repo root. Logs and JSON under $OUT
 # (default outputs/gpu); a short summary last.
 #   bash jobs/gpu_checks.sh tests    # the whole suite, cuda tests included; scope benchmark; GPU demo
-#   bash jobs/gpu_checks.sh bench    # cuda tests, GPU demo, engine benchmark (no torch.compile), diffusers comparison
+#   bash jobs/gpu_checks.sh bench    # cuda tests, GPU demo, diffusers speed and parity (bench_engine.py: run it alone)
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
@@ -28,8 +28,8 @@ else
   cp /tmp/gpu-demo/stats.json "$OUT/demo_stats.json"
   echo "== pytest cuda (rc=$cuda_rc)"; grep -E "PASSED|FAILED|ERROR|forward vs step" "$OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$OUT/pytest_cuda.log"
   echo "== demo (rc=$demo_rc)"; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
-  python3 jobs/bench_engine.py --no-compile --out "$OUT/bench_engine.json" > "$OUT/bench_engine.log" 2>&1; engine_rc=$?
-  python3 jobs/bench_diffusers.py --out "$OUT/bench_diffusers.json" > "$OUT/bench_diffusers.log" 2>&1; diff_rc=$?
-  echo "== engine (rc=$engine_rc)"; tail -22 "$OUT/bench_engine.log"
-  echo "== diffusers (rc=$diff_rc)"; tail -20 "$OUT/bench_diffusers.log"
+  python3 jobs/bench_diffusers.py --scopes forward loop --graph-warmup 1 --out "$OUT/bench_diffusers.json" > "$OUT/bench_diffusers.log" 2>&1; diff_rc=$?
+  echo "== diffusers speed (rc=$diff_rc)"; tail -14 "$OUT/bench_diffusers.log"
+  python3 jobs/bench_diffusers.py --parity --out "$OUT/parity_diffusers.json" > "$OUT/parity_diffusers.log" 2>&1; parity_rc=$?
+  echo "== diffusers parity (rc=$parity_rc)"; tail -16 "$OUT/parity_diffusers.log"
 fi
