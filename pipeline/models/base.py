@@ -92,3 +92,31 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class TransformerVAE:
+    """What every family shares: a denoising `transformer` and a `vae`. Device, dtype and latent
+    shapes follow from them (each family keeps its own decode: diffusers' expressions differ)."""
+
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)

@@ -19,6 +19,7 @@ from diffusers import AutoencoderKL, DiTTransformer2DModel
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
+from pipeline.models.base import TransformerVAE
 from pipeline.models.source import (
     Source,
     build_random_modules,
@@ -33,7 +34,7 @@ NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the uncond
 MODULES = ("transformer", "vae")
 
 
-class DiTAdapter:
+class DiTAdapter(TransformerVAE):
     family = "dit"
 
     def __init__(
@@ -55,22 +56,8 @@ class DiTAdapter:
         self.id2label = id2label
         self.scheduler_class = scheduler_class
         self.scheduler_config = dict(scheduler_config)
-        self.latent_channels = transformer.config.in_channels
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.max_side = self.granularity = transformer.config.sample_size * self.vae_scale_factor
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        f = self.vae_scale_factor
-        return (self.latent_channels, height // f, width // f)
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """class names (N) -> {"y": [N] int64 class ids}; "" (the default negative prompt, and the

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase, T5Config, T5EncoderModel
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
-from pipeline.models.base import free_memory, released_message
+from pipeline.models.base import TransformerVAE, free_memory, released_message
 from pipeline.models.source import (
     Source,
     build_random_modules,
@@ -38,7 +38,7 @@ MICRO_CONDITION_SAMPLE_SIZE = 128  # PixArtAlphaPipeline adds them for this tran
 MODULES = ("transformer", "vae", "text_encoder")
 
 
-class PixArtAdapter:
+class PixArtAdapter(TransformerVAE):
     family = "pixart"
 
     def __init__(
@@ -64,27 +64,13 @@ class PixArtAdapter:
         self.scheduler_config = dict(scheduler_config)
         self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[pipeline]
         self.max_side = max_side
-        self.latent_channels = transformer.config.in_channels
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
         self.micro_conditions = pipeline == ALPHA and transformer.config.sample_size == MICRO_CONDITION_SAMPLE_SIZE
 
     @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    @property
     def cond_dim(self) -> int:
         return self.transformer.config.caption_channels
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        f = self.vae_scale_factor
-        return (self.latent_channels, height // f, width // f)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, 
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
-from pipeline.models.base import free_memory, released_message
+from pipeline.models.base import TransformerVAE, free_memory, released_message
 from pipeline.models.source import (
     Source,
     build_random_modules,
@@ -38,7 +38,7 @@ CLIPS = ("text_encoder", "text_encoder_2")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
 
-class SD3Adapter:
+class SD3Adapter(TransformerVAE):
     family = "sd3"
 
     def __init__(
@@ -66,21 +66,7 @@ class SD3Adapter:
         self.max_side = max_side
         # diffusers pads both CLIPs to the first tokenizer's model_max_length (77 for CLIP)
         self.clip_length = self.tokenizers["tokenizer"].model_max_length
-        self.latent_channels = transformer.config.in_channels
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        f = self.vae_scale_factor
-        return (self.latent_channels, height // f, width // f)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
