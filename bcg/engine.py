@@ -175,7 +175,6 @@ class BCGEngine:
             with torch.cuda.graph(graph, pool=self.pool):
                 output = self.fn(self.static[key].view(bucket))
         except torch.OutOfMemoryError:
-            del graph
             torch.cuda.synchronize(self.device)
             self.metrics.dropped.append(name)
             log.warning("BCG: out of memory capturing %s; that bucket runs eagerly (counted as misses)", name)

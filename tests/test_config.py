@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from conftest import CONF, job_config, run_cli
 from pipeline.config import JobConfig, check_choices

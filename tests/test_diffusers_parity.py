@@ -12,15 +12,14 @@ generates at the transformer's native size only, so DiT rows are all 64 px.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import diffusers
 import numpy as np
 import pytest
 import torch
 
 from conftest import cpu_job, job_config, png, write_manifest
+from jobs.bench_diffusers import GUIDANCE, diffusers_images
 from pipeline.job import run
 from pipeline.models import build_model, save_diffusers
 from pipeline.precision import apply_precision
@@ -28,7 +27,6 @@ from pipeline.precision import apply_precision
 MAX_LEVELS = 1  # per pixel, of 255
 MAX_SHARE_DIFFERENT = 1e-3  # of all pixels (measured: at most 2 of 12,288 in one image)
 STEPS = 4
-GUIDANCE = 4.5
 # Max abs difference (levels of 255) measured on 2 CPU cores, torch 2.13, diffusers 0.42.1: 1 level,
 # at 1-2 pixels of an image, in every case; 0 when our batches have diffusers' shapes
 # (bcg.ladder=[3]). The rest is fp32 rounding of differently shaped matmuls (text encoder chunks of
@@ -65,33 +63,6 @@ def save_random_model(model: str, overrides: tuple[str, ...], directory: Path) -
     return save_diffusers(build_model(cfg, torch.device("cpu"), torch.float32), directory)
 
 
-def diffusers_images(directory: Path, rows: list[dict]) -> dict[str, np.ndarray]:
-    """id -> uint8 [H, W, 3], rounded as diffusers' numpy_to_pil; one call per size group."""
-    apply_precision("fp32", tf32=False, cudnn_benchmark=False)
-    name = json.loads((directory / "model_index.json").read_text())["_class_name"]
-    pipe = getattr(diffusers, name).from_pretrained(directory)
-    pipe.set_progress_bar_config(disable=True)
-    groups: dict[tuple[int, int], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["height"], r["width"]), []).append(r)
-    out = {}
-    for (height, width), group in groups.items():
-        generators = [torch.Generator("cpu").manual_seed(r["seed"]) for r in group]
-        common = dict(num_inference_steps=STEPS, guidance_scale=GUIDANCE, generator=generators, output_type="np")
-        if name == "DiTPipeline":
-            images = pipe(class_labels=pipe.get_label_ids([r["prompt"] for r in group]), **common).images
-        else:
-            extra = dict(use_resolution_binning=False, clean_caption=False) if name.startswith("PixArt") else {}
-            images = pipe(
-                prompt=[r["prompt"] for r in group],
-                negative_prompt=[r["negative_prompt"] or "" for r in group],
-                height=height, width=width, **extra, **common,
-            ).images
-        for r, image in zip(group, images):
-            out[r["id"]] = (image * 255).round().astype("uint8")
-    return out
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
     model, model_overrides, job_overrides, rows = CASES[case]
@@ -102,7 +73,8 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
         f"sampler.steps={STEPS}", f"sampler.guidance_scale={GUIDANCE}", *job_overrides,
     ))
     assert report["images"]["ok"] == len(rows) and report["model"] == "model"
-    reference = diffusers_images(directory, rows)
+    apply_precision("fp32", tf32=False, cudnn_benchmark=False)
+    reference = diffusers_images(directory, rows, STEPS, torch.device("cpu"), torch.float32)
     worst = 0
     for r in rows:
         ours = png(tmp_path / "out" / "images" / f"{r['id']}.png").astype(int)

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from bcg.buffers import pad_rows
 from bcg.engine import BCGEngine
-from conftest import REPO, cpu_job, job_config
+from conftest import REPO, cpu_job
 from jobs.make_demo_manifest import demo_table
 from pipeline.config import ModelConfig
 from pipeline.job import run

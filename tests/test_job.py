@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, cpu_job, png, rows, run_cli, write_manifest
+from conftest import cpu_job, png, rows, run_cli, write_manifest
 from jobs.make_demo_manifest import demo_table
 from pipeline.job import run
 from pipeline.manifest import ManifestError
