@@ -83,6 +83,8 @@ class OutputConfig:
     # Committed batches that no longer match the job (manifest rows or settings changed):
     # error (refuse, naming the ids) or overwrite (regenerate them).
     on_conflict: str = "error"
+    # Also write <dir>/contact_sheet.png: every image with its prompt under it (the demo does).
+    contact_sheet: bool = False
 
 
 @dataclass

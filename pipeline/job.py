@@ -19,6 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from bcg.buckets import pick_bucket
 from bcg.engine import BCGEngine
 from pipeline.config import JobConfig, check_choices
+from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser, to_uint8
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
@@ -142,6 +143,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
         (out_dir / PARTS_DIR).mkdir(exist_ok=True)
         atomic_write_text(part_path(out_dir, shard.name), json.dumps(report, indent=2, default=str))
     finish(out_dir, report)
+    if cfg.output.contact_sheet:
+        log.info("contact sheet: %s", write_contact_sheet(out_dir))
     return report
 
 
