@@ -58,8 +58,8 @@ def check_inputs(specs: dict[str, InputSpec], inputs: dict[str, torch.Tensor], n
 def pad_rows(specs: dict[str, InputSpec], inputs: dict[str, torch.Tensor], n: int, bucket: int) -> dict[str, torch.Tensor]:
     """Eager twin of `StaticInputs.load`: the same rows, padded with the same fixed values."""
     check_inputs(specs, inputs, n)
-    if bucket == n:
-        return dict(inputs)
+    if bucket == n:  # cast as the static buffers' copy_ would, so eager and replay see the same dtypes
+        return {name: inputs[name].to(spec.dtype) for name, spec in specs.items()}
     out = {}
     for name, spec in specs.items():
         t = inputs[name]

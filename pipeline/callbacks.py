@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.merge import IncompleteError, merge
 
@@ -19,8 +19,8 @@ class MergeShards(Callback):
     _SUCCESS once every shard is complete, or say which shards are missing."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if config.shard.count <= 1:
-            return
+        if config.shard.count <= 1 or OmegaConf.is_interpolation(config.output, "dir"):
+            return  # not sharded, or no shared output.dir (run.py refuses such a sharded job)
         out_dir = Path(config.output.dir)
         try:
             merged = merge(out_dir)

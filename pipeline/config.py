@@ -147,5 +147,9 @@ def check_choices(cfg: JobConfig) -> None:
             raise ValueError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
     if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
         raise ValueError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
+    if not 0 <= cfg.output.png_compress_level <= 9:
+        raise ValueError(f"output.png_compress_level={cfg.output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
+    if cfg.output.queue_size < 1:
+        raise ValueError(f"output.queue_size={cfg.output.queue_size} must be >= 1 (batches waiting for the writer)")
     if cfg.sampler.steps < 1:
         raise ValueError(f"sampler.steps={cfg.sampler.steps} must be >= 1")

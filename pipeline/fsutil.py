@@ -35,5 +35,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_table(path: str | os.PathLike, table: pa.Table) -> None:
     path = Path(path)
     tmp = _tmp_path(path)
-    pq.write_table(table, tmp)
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable: after a power loss the file is there whole, or not at all."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

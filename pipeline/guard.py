@@ -36,6 +36,11 @@ class JobLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
+            if err.errno in (errno.ENOSYS, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+                os.close(fd)
+                raise LockedError(f"{self.path.parent}: this file system does not support flock ({err.strerror}), "
+                                  "so two runs could write it at once; use an output.dir on a local or "
+                                  "flock-capable file system") from None
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
@@ -79,8 +84,12 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            log.warning("%s received: stopping after the current batch is committed", signal.Signals(signum).name)
+        if self.received is not None:  # a second signal: stop now, as the default handler would
+            self.__exit__()
+            signal.raise_signal(signum)
+            return
+        log.warning("%s received: stopping after the current batch is committed (again to stop now)",
+                    signal.Signals(signum).name)
         self.received = signum
 
     def check(self) -> None:
@@ -90,6 +99,7 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
 def remove_stale_tmp(out_dir: Path, dirs: tuple[str, ...]) -> int:

@@ -44,6 +44,11 @@ class Item:
     # every other column, as Python values; left out of the hash so an Item can key a dict
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
+    def fields(self) -> dict[str, Any]:
+        """The manifest values an image is made from, as they appear in its output row."""
+        return {"id": self.id, "prompt": self.prompt, "negative_prompt": self.negative_prompt,
+                "seed": self.seed, "width": self.width, "height": self.height}
+
 
 @dataclass(frozen=True, slots=True)
 class BadRow:

@@ -16,7 +16,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from pipeline.fsutil import atomic_write_text
+from pipeline.writer import SHARDS_DIR
 
 PARTS_DIR = "parts"
 SUCCESS = "_SUCCESS"
@@ -34,9 +37,19 @@ def part_path(out_dir: Path, shard_name: str) -> Path:
     return Path(out_dir) / PARTS_DIR / f"{shard_name}.json"
 
 
-def read_parts(out_dir: Path) -> list[dict]:
+def read_parts(out_dir: Path, count: int | None = None) -> list[dict]:
+    """Every shard's part; with `count`, only the parts of a job with that many shards."""
     folder = Path(out_dir) / PARTS_DIR
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("shard-*.json"))] if folder.is_dir() else []
+    parts = [json.loads(p.read_text()) for p in sorted(folder.glob("shard-*.json"))] if folder.is_dir() else []
+    return [p for p in parts if count is None or p["shard"]["count"] == count]
+
+
+def committed_status(out_dir: Path) -> Counter:
+    """ok / failed rows over every committed shard file: what the dataset holds, whichever run made it."""
+    shards = Path(out_dir) / SHARDS_DIR
+    if not shards.is_dir() or not any(shards.glob("*.parquet")):
+        return Counter()
+    return Counter(pq.read_table(shards, columns=["status"]).column("status").to_pylist())
 
 
 def missing_shards(parts: list[dict]) -> list[int] | None:
@@ -50,13 +63,16 @@ def missing_shards(parts: list[dict]) -> list[int] | None:
     return sorted(set(range(count)) - {p["shard"]["index"] for p in parts})
 
 
-def merge_stats(parts: list[dict]) -> dict:
-    """Run-level stats: counts and stage times add up; wall time is the slowest shard's, and images/s
-    is every shard's images over that wall time (the shards ran side by side)."""
+def merge_stats(parts: list[dict], status: Counter) -> dict:
+    """Run-level stats. `images.ok` / `failed` count the committed rows on disk (the dataset, over
+    every run that added to it); `generated` what the last run of each shard made. With several
+    shards, images/s is that over the span from the first shard's start to the last one's end."""
     first = parts[0]
-    merged = {k: v for k, v in first.items() if k != "shard"}
+    merged = {k: v for k, v in first.items() if k not in ("shard", "started_at", "ended_at")}
     merged["bcg"] = first["bcg"] if len(parts) == 1 else merge_engine_metrics([p["bcg"] for p in parts])
+    generated = sum(p["images"]["ok"] for p in parts)
     merged["images"] = {k: sum(p["images"][k] for p in parts) for k in first["images"]}
+    merged["images"].update(ok=status["ok"], failed=status["failed"], generated=generated)
     for key in SUMMED:
         merged[key] = sum(p[key] for p in parts)
     for key in SUMMED_MAPS:
@@ -64,10 +80,10 @@ def merge_stats(parts: list[dict]) -> dict:
         for p in parts:
             total.update(p[key])
         merged[key] = {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(total.items())}
-    merged["wall_s"] = max(p["wall_s"] for p in parts)
-    merged["generate_s"] = max(p["generate_s"] for p in parts)
-    ok = merged["images"].get("ok", 0)
-    merged["images_per_s"] = round(ok / merged["generate_s"], 4) if merged["generate_s"] > 0 else None
+    if len(parts) > 1:  # one part keeps its own: images/s over its generation time, after warm-up
+        merged["wall_s"] = round(max(p["ended_at"] for p in parts) - min(p["started_at"] for p in parts), 4)
+        merged["generate_s"] = max(p["generate_s"] for p in parts)
+        merged["images_per_s"] = round(generated / merged["wall_s"], 4) if merged["wall_s"] > 0 else None
     merged["shards"] = [
         {"shard": p["shard"], "images": p["images"], "wall_s": p["wall_s"], "images_per_s": p["images_per_s"], "bcg": p["bcg"]}
         for p in parts
@@ -83,16 +99,17 @@ def merge_engine_metrics(metrics: list[dict]) -> dict:
     return out
 
 
-def merge(out_dir: Path) -> dict:
-    """Write stats.json then _SUCCESS if every shard is complete; IncompleteError otherwise."""
-    parts = read_parts(out_dir)
+def merge(out_dir: Path, count: int | None = None) -> dict:
+    """Write stats.json then _SUCCESS if every shard is complete; IncompleteError otherwise.
+    `count`: the job's shard.count (parts of a job with another count are ignored)."""
+    parts = read_parts(out_dir, count)
     missing = missing_shards(parts)
     if missing is None:
         raise IncompleteError(f"{out_dir}: no shard has completed yet (no {PARTS_DIR}/shard-*.json)")
     if missing:
         count = parts[0]["shard"]["count"]
         raise IncompleteError(f"{out_dir}: {len(missing)} of {count} shards not complete yet: {missing}")
-    merged = merge_stats(parts)
+    merged = merge_stats(parts, committed_status(out_dir))
     atomic_write_text(Path(out_dir) / STATS, json.dumps(merged, indent=2, default=str))
     atomic_write_text(Path(out_dir) / SUCCESS, "")
     return merged

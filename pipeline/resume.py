@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.fsutil import TMP_PREFIX
 from pipeline.planner import Batch
-from pipeline.writer import SHARDS_DIR
+from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 
 # Shard columns that must equal what the job would write now for a committed row to count as done.
-COMPARED = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "guidance_scale", "model", "sampler")
-ON_CONFLICT = ("error", "overwrite")
+COMPARED = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "guidance_scale", "model", "sampler", "settings")
 
 
 class ResumeConflict(ValueError):
@@ -44,20 +44,18 @@ def read_committed(out_dir: Path) -> Committed:
         for path in sorted(shards.glob("*.parquet")):
             if path.name.startswith(TMP_PREFIX):
                 continue
-            rows[path.stem] = pq.read_table(path, columns=["id", *COMPARED]).to_pylist()
+            try:
+                rows[path.stem] = pq.read_table(path, columns=["id", *COMPARED]).to_pylist()
+            except (pa.ArrowInvalid, KeyError) as err:  # a file cut short by a power loss, or not ours
+                raise ResumeConflict(
+                    f"{path} cannot be read as a committed batch ({err}); delete it to regenerate that batch"
+                ) from None
     return Committed(rows)
 
 
-def expected_row(item, steps: int, guidance_scale: float, model: str, sampler: str) -> dict[str, Any]:
-    return {
-        "id": item.id, "prompt": item.prompt, "negative_prompt": item.negative_prompt, "seed": item.seed,
-        "width": item.width, "height": item.height, "steps": steps, "guidance_scale": guidance_scale,
-        "model": model, "sampler": sampler,
-    }
-
-
-def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, settings: dict[str, Any]) -> dict[str, str]:
-    """Committed batch key -> why it no longer matches the full plan (missing key: it matches)."""
+def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, fields: dict[str, Any]) -> dict[str, str]:
+    """Committed batch key -> why it no longer matches the full plan (missing key: it matches).
+    `fields` are the job-wide values of each output row (steps, guidance, model, sampler, settings)."""
     planned = {b.key: b for b in plan_batches}
     conflicts = {}
     for key, rows in committed.rows.items():
@@ -69,12 +67,16 @@ def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, settings
             conflicts[key] = f"the plan puts other ids in this batch (committed {_ids(rows)})"
             continue
         for row, item in zip(rows, batch.items):
-            want = expected_row(item, **settings)
-            changed = [f for f in COMPARED if row[f] != want[f]]
+            changed = [f for f in COMPARED if _norm(f, row[f]) != _norm(f, {**item.fields(), **fields}[f])]
             if changed:
                 conflicts[key] = f"id {item.id!r}: {', '.join(changed)} changed"
                 break
     return conflicts
+
+
+def _norm(field: str, value: Any) -> Any:
+    # A missing negative prompt means "" (diffusers' default): the same image either way.
+    return (value or "") if field == "negative_prompt" else value
 
 
 def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) -> str:
@@ -82,8 +84,20 @@ def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) 
     lines += [f"  {key}: {why}" for key, why in sorted(conflicts.items())[:limit]]
     if len(conflicts) > limit:
         lines.append(f"  ... and {len(conflicts) - limit} more")
+    if any("not in the plan" in why or "other ids" in why for why in conflicts.values()):
+        lines.append("The plan changed: rows were added or removed, or bcg.ladder / bcg.batch_overhead_rows "
+                     "differ from the run that committed these batches.")
+    if any("settings" in why for why in conflicts.values()):
+        lines.append("'settings' covers the model config, precision, bcg.scope and the sampler config.")
     lines.append("Use another output.dir, or output.on_conflict=overwrite to regenerate them.")
     return "\n".join(lines)
+
+
+def keys_to_clear(conflicts: dict[str, str], plan_batches: Sequence[Batch], mine: Sequence[Batch], first_shard: bool) -> list[str]:
+    """With overwrite, each shard clears only its own batches (another shard may be re-committing
+    its own right now); batches no longer in the plan are the first shard's to clear."""
+    planned, own = {b.key for b in plan_batches}, {b.key for b in mine}
+    return sorted(k for k in conflicts if k in own or (first_shard and k not in planned))
 
 
 def remove_batches(out_dir: Path, committed: Committed, keys: Sequence[str]) -> None:
@@ -91,7 +105,9 @@ def remove_batches(out_dir: Path, committed: Committed, keys: Sequence[str]) -> 
     for ids no longer planned, removed), so the directory never mixes two jobs."""
     for key in keys:
         for row in committed.rows[key]:
-            (Path(out_dir) / "images" / f"{row['id']}.png").unlink(missing_ok=True)
+            image = Path(out_dir) / IMAGES_DIR / f"{row['id']}.png"
+            if image.parent == Path(out_dir) / IMAGES_DIR:  # an id read back from disk: stay inside
+                image.unlink(missing_ok=True)
         (Path(out_dir) / SHARDS_DIR / f"{key}.parquet").unlink(missing_ok=True)
 
 

@@ -30,6 +30,10 @@ def main(cfg: DictConfig) -> None:
     from pipeline.guard import Interrupted
     from pipeline.writer import WriteError
 
+    if cfg.shard.count > 1 and OmegaConf.is_interpolation(cfg.output, "dir"):
+        log.error("shard.count=%d needs output.dir set explicitly: every shard writes to the same directory "
+                  "(the default is a new directory per process)", cfg.shard.count)
+        sys.exit(USER_ERROR_EXIT)
     job = OmegaConf.to_object(cfg)
     try:
         run(job, OmegaConf.to_container(cfg, resolve=True))

@@ -56,6 +56,7 @@ class RunStats:
     per_resolution: Counter = field(default_factory=Counter)
     per_bucket: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
+    started_at: float = field(default_factory=time.time)  # wall clock, to merge shards that ran apart
     generate_started: float | None = None
 
     def add_batch(self, height: int, width: int, bucket: int, real: int, ok: int, stages: dict[str, float]) -> None:
@@ -77,6 +78,8 @@ class RunStats:
             "batches": self.batches,
             "padded_rows": self.padded_rows,
             "wall_s": round(now - self.started, 4),
+            "started_at": self.started_at,
+            "ended_at": time.time(),
             "generate_s": round(generate_s, 4),
             "images_per_s": round(self.ok / generate_s, 4) if generate_s > 0 else None,
             "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},

@@ -39,6 +39,8 @@ BASE_FIELDS = [
     pa.field("guidance_scale", pa.float64()),
     pa.field("model", pa.string()),
     pa.field("sampler", pa.string()),
+    # digest of every other setting an image depends on (model config, precision, scope, ...)
+    pa.field("settings", pa.string()),
     pa.field("status", pa.string()),
     pa.field("error", pa.string()),
     pa.field("path", pa.string()),
@@ -50,11 +52,18 @@ BASE_FIELDS = [
 IMAGE_FIELD = pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 
 
+RESERVED = frozenset(f.name for f in BASE_FIELDS) | {IMAGE_FIELD.name}
+
+
 def shard_schema(extra: pa.Schema, embed_images: bool) -> pa.Schema:
-    """Base columns, the optional image column, then the manifest's own extra columns."""
+    """Base columns, the optional image column, then the manifest's own extra columns (whose names
+    must not be ours: `reserved_columns` says which are)."""
     fields = BASE_FIELDS + ([IMAGE_FIELD] if embed_images else [])
-    taken = {f.name for f in fields}
-    return pa.schema(fields + [f for f in extra if f.name not in taken])
+    return pa.schema(fields + list(extra))
+
+
+def reserved_columns(extra: pa.Schema) -> list[str]:
+    return sorted(RESERVED & set(extra.names))
 
 
 class WriteError(RuntimeError):

@@ -44,7 +44,7 @@ def test_demo_manifest_gives_every_image_row_and_stat(demo_run):
         assert (row["prompt"], row["seed"], row["style"], row["status"]) == (r["prompt"], r["seed"], r["style"], "ok")
         assert row["path"] == f"images/{r['id']}.png" and row["bucket"] >= 1 and row["time_denoise_s"] > 0
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["images"] == {"planned": 12, "ok": 12, "failed": 0, "skipped": 0, "invalid": 0}
+    assert stats["images"] == {"planned": 12, "ok": 12, "failed": 0, "skipped": 0, "invalid": 0, "generated": 12}
     assert sum(stats["per_resolution"].values()) == 12
     assert stats["batches"] == sum(stats["batches_per_bucket"].values()) == len({r["batch_key"] for r in shard_rows})
     assert stats["padded_rows"] == sum(r["bucket"] for r in {r["batch_key"]: r for r in shard_rows}.values()) - 12

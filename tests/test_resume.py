@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -87,6 +88,8 @@ def test_finished_job_run_again_does_nothing_and_says_so(uninterrupted, caplog):
     assert report["images"]["skipped"] == len(MANY) and report["images"]["ok"] == 0
     assert "nothing to do" in caplog.text
     assert {p: p.stat().st_mtime_ns for p in (whole / "images").iterdir()} == before
+    stats = json.loads((whole / "stats.json").read_text())  # still describes the whole dataset
+    assert stats["images"]["ok"] == len(MANY) and stats["images"]["generated"] == 0
 
 
 def test_changed_manifest_row_is_refused_by_id_unless_overwrite(tmp_path):
@@ -100,6 +103,31 @@ def test_changed_manifest_row_is_refused_by_id_unless_overwrite(tmp_path):
     assert report["images"]["ok"] == 2  # a and b shared one batch: both regenerated
     table = pq.read_table(tmp_path / "out" / "shards").to_pylist()
     assert {r["id"]: r["seed"] for r in table} == {"a": 1, "b": 99}
+
+
+def test_changed_settings_are_a_conflict_but_a_null_negative_prompt_equals_empty(tmp_path):
+    base = rows(("a", 64, 64, 1), ("b", 64, 64, 2))
+    manifest = write_manifest(tmp_path / "m.parquet", base)
+    run(cpu_job(manifest, tmp_path / "out"))
+    with pytest.raises(ResumeConflict, match=r"id 'a': settings changed(.|\n)*precision"):
+        run(cpu_job(manifest, tmp_path / "out", "precision=bf16"))
+    write_manifest(manifest, [{**r, "negative_prompt": ""} for r in base])
+    assert run(cpu_job(manifest, tmp_path / "out"))["images"]["skipped"] == 2
+
+
+def test_resume_with_another_shard_count_completes(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"i{k}", 64, 64, k) for k in range(9)]))
+    run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1,2]", "shard.index=0", "shard.count=3"))
+    run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1,2]"))  # the rest, as one process
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert (tmp_path / "out" / "_SUCCESS").exists() and stats["images"]["ok"] == 9
+    assert [p.name for p in (tmp_path / "out" / "parts").iterdir()] == ["shard-00000-of-00001.json"]
+
+
+def test_extra_column_named_like_output_metadata_is_refused(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", [{**r, "status": "draft"} for r in rows(("a", 64, 64, 1))])
+    with pytest.raises(ValueError, match=r"\['status'\] would overwrite output metadata"):
+        run(cpu_job(manifest, tmp_path / "out"))
 
 
 def test_out_of_memory_retries_the_batch_split(tmp_path, monkeypatch):
