@@ -1,6 +1,9 @@
-"""Write jobs/manifests/demo.parquet: 12 prompts over 3 resolutions (counts that leave remainders).
+"""Write jobs/manifests/demo.parquet: 12 digit prompts over 3 resolutions (counts that leave remainders).
 
     python jobs/make_demo_manifest.py [out.parquet]
+
+The sizes are multiples of 16 up to 48 px, valid for the demo model (conf/model/digits.yaml,
+granularity 8, max side 48) and for the tests' random-weight tiny model (granularity 16).
 """
 
 from __future__ import annotations
@@ -12,19 +15,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROWS = [
-    # id, prompt, width, height, seed, style
-    ("cat-00", "a cat sitting on a windowsill", 64, 64, 0, "photo"),
-    ("cat-01", "a cat sitting on a windowsill", 64, 64, 1, "photo"),
-    ("dog-00", "a dog running on the beach", 64, 64, 2, "photo"),
-    ("tree-00", "a lone tree on a hill at sunset", 64, 64, 3, "painting"),
-    ("city-00", "a city street at night, neon lights", 64, 64, 4, "photo"),
-    ("boat-00", "a sailing boat on a calm sea", 96, 64, 5, "painting"),
-    ("boat-01", "a sailing boat on a calm sea", 96, 64, 6, "painting"),
-    ("fox-00", "a red fox in the snow", 96, 64, 7, "photo"),
-    ("cake-00", "a slice of chocolate cake", 96, 64, 8, "photo"),
-    ("tower-00", "a lighthouse on a rocky coast", 64, 128, 9, "sketch"),
-    ("tower-01", "a lighthouse on a rocky coast", 64, 128, 10, "sketch"),
-    ("robot-00", "a small robot reading a book", 64, 128, 11, "sketch"),
+    # id, prompt, width, height, seed, style (the phrasing)
+    ("d0-0", "a handwritten digit 0", 32, 32, 0, "sentence"),
+    ("d1-0", "the number one", 32, 32, 1, "word"),
+    ("d2-0", "2", 32, 32, 2, "numeral"),
+    ("d3-0", "digit three", 32, 32, 3, "word"),
+    ("d4-0", "a handwritten digit 4", 32, 32, 4, "sentence"),
+    ("d5-0", "the number five", 48, 48, 5, "word"),
+    ("d6-0", "6", 48, 48, 6, "numeral"),
+    ("d7-0", "a handwritten digit 7", 48, 48, 7, "sentence"),
+    ("d8-0", "digit eight", 48, 48, 8, "word"),
+    ("d9-0", "the number nine", 32, 48, 9, "word"),
+    ("d3-1", "3", 32, 48, 10, "numeral"),
+    ("d7-1", "a handwritten seven", 32, 48, 11, "sentence"),
 ]
 
 
@@ -37,7 +40,7 @@ def demo_table() -> pa.Table:
             "width": pa.array(cols[2], pa.int64()),
             "height": pa.array(cols[3], pa.int64()),
             "seed": pa.array(cols[4], pa.int64()),
-            "negative_prompt": pa.array(["blurry, low quality"] * len(ROWS), pa.string()),
+            "negative_prompt": pa.array([None] * len(ROWS), pa.string()),  # "" (the trained unconditional prompt)
             "style": pa.array(cols[5], pa.string()),
         }
     )

@@ -1,0 +1,83 @@
+"""The shipped demo model (jobs/models/digits) draws the digit its prompt asks for.
+
+60 digits, six of each class, over mixed sizes and phrasings with fixed seeds, generated on the
+CPU through `pipeline.job.run` exactly as a user runs it; an SVC classifier trained
+only on the held-out digits that the generator never saw (jobs/train_digits.py's split) must read
+the requested digit in at least MIN_ACCURACY of them. Also: the demo job itself, with its contact
+sheet.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from conftest import REPO, cpu_job, job_config, png, write_manifest
+from jobs.train_digits import PHRASINGS, SIZES, WORDS, fit_classifier, features
+from pipeline.contact_sheet import CONTACT_SHEET, contact_sheet
+from pipeline.job import run
+from pipeline.models import model_limits
+from pipeline.writer import SHARDS_DIR
+
+MODEL = ("model=digits", f"model.path={REPO / 'jobs' / 'models' / 'digits'}")
+STEPS, GUIDANCE = 15, 4.5
+PER_CLASS = 6
+MIN_ACCURACY = 0.9
+
+
+def digit_rows() -> list[dict]:
+    """Six rows per digit (label k mod 10); the sizes and phrasings rotate so that every digit is
+    asked for at six sizes in six phrasings."""
+    out = []
+    for k in range(10 * PER_CLASS):
+        label, turn = k % 10, k // 10
+        height, width = SIZES[(label + turn) % len(SIZES)]
+        prompt = PHRASINGS[(label + turn) % len(PHRASINGS)].format(d=label, w=WORDS[label])
+        out.append(dict(id=f"k{k:02d}", prompt=prompt, width=width, height=height, seed=1000 + k, label=label))
+    return out
+
+
+def test_the_demo_model_draws_the_requested_digit(tmp_path):
+    rows = digit_rows()
+    manifest = write_manifest(tmp_path / "digits.parquet", rows)
+    cfg = cpu_job(manifest, tmp_path / "out", *MODEL, f"sampler.steps={STEPS}", f"sampler.guidance_scale={GUIDANCE}")
+    report = run(cfg)
+    assert report["images"]["ok"] == len(rows)
+
+    gray = [png(tmp_path / "out" / "images" / f"{r['id']}.png").mean(-1) / 255.0 for r in rows]
+    predicted = fit_classifier().predict(np.concatenate([features(g[None]) for g in gray]))
+    wanted = np.array([r["label"] for r in rows])
+    accuracy = float((predicted == wanted).mean())
+    wrong = Counter(int(w) for w, p in zip(wanted, predicted) if w != p)
+    print(f"digits read right: {accuracy:.3f}; misread per class: {dict(sorted(wrong.items()))}")
+    assert accuracy >= MIN_ACCURACY, f"accuracy {accuracy:.2f}; misread per class: {dict(sorted(wrong.items()))}"
+
+
+def test_demo_job_writes_every_image_and_a_contact_sheet(tmp_path):
+    cfg = job_config("+job=demo", f"output.dir={tmp_path}", f"manifest.path={REPO / 'jobs/manifests/demo.parquet'}",
+                     f"model.path={REPO / 'jobs/models/digits'}", "runtime.device=cpu", "runtime.progress=false")
+    assert (cfg.model.name, cfg.output.contact_sheet) == ("digits", True)
+    report = run(cfg)
+    shard_rows = sum(pq.read_table(p).num_rows for p in (tmp_path / SHARDS_DIR).glob("*.parquet"))
+    assert report["images"]["ok"] == shard_rows == 12
+    sheet = png(tmp_path / CONTACT_SHEET)
+    assert sheet.shape[0] > 96 and sheet.shape[1] > 96 * 3
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_contact_sheet_grid_holds_every_image(n):
+    images = [Image.new("RGB", (32, 48), (k * 30, 0, 0)) for k in range(n)]
+    sheet = contact_sheet(images, [f"a prompt that is long enough to wrap {k}" for k in range(n)], columns=6)
+    columns, rows = min(n, 6), -(-n // 6)
+    assert sheet.width % columns == 0 and sheet.height % rows == 0
+    with pytest.raises(ValueError, match="2 images but 1 captions"):
+        contact_sheet(images[:1] * 2, ["x"])
+
+
+def test_digits_limits_come_from_the_shipped_directory():
+    cfg = job_config(*MODEL, "manifest.path=m", "output.dir=o").model
+    assert model_limits(cfg) == (8, 48)
