@@ -22,16 +22,14 @@ from pipeline.manifest import Item
 from pipeline.models.base import TransformerVAE
 from pipeline.models.source import (
     Source,
-    build_random_modules,
     config_value,
     default_max_side,
-    load_component,
+    make_modules,
     vae_scale_factor,
 )
 
 PIPELINES = ("DiTPipeline",)
 NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the unconditional half of CFG
-MODULES = ("transformer", "vae")
 
 
 class DiTAdapter(TransformerVAE):
@@ -162,19 +160,12 @@ def item_check(source: Source) -> Callable[[Item], list[str]]:
 
 
 def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
-    if source.path is None:
-        arch = source.configs
-        modules = build_random_modules(
-            {
-                "transformer": lambda: DiTTransformer2DModel(**arch["transformer"]),
-                "vae": lambda: AutoencoderKL(**arch["vae"]),
-            },
-            cfg.init_seed, cfg.init_device, device, dtype,
-        )
-        name = cfg.name
-    else:
-        modules = {m: load_component(source, m, dtype, device) for m in MODULES}
-        name = source.path.name
+    arch = source.configs
+    factories = {
+        "transformer": lambda: DiTTransformer2DModel(**arch["transformer"]),
+        "vae": lambda: AutoencoderKL(**arch["vae"]),
+    }
+    modules, name = make_modules(source, cfg, factories, device, dtype)
     scheduler_class, scheduler_config = source.scheduler
     return DiTAdapter(
         name, modules["transformer"], modules["vae"], class_names(source), id2label_of(source),

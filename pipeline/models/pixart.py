@@ -22,10 +22,10 @@ from pipeline.manifest import Item
 from pipeline.models.base import TransformerVAE, free_memory, released_message
 from pipeline.models.source import (
     Source,
-    build_random_modules,
     config_value,
     default_max_side,
     load_component,
+    make_modules,
     vae_scale_factor,
 )
 from pipeline.models.tokenizer import build_char_tokenizer
@@ -35,7 +35,6 @@ PIPELINES = (SIGMA, ALPHA)
 # diffusers' max_sequence_length defaults: T5 tokens per prompt.
 MAX_SEQUENCE_LENGTH = {SIGMA: 300, ALPHA: 120}
 MICRO_CONDITION_SAMPLE_SIZE = 128  # PixArtAlphaPipeline adds them for this transformer sample_size only
-MODULES = ("transformer", "vae", "text_encoder")
 
 
 class PixArtAdapter(TransformerVAE):
@@ -179,20 +178,14 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
 
 
 def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> PixArtAdapter:
-    if source.path is None:
-        arch = source.configs
-        modules = build_random_modules(
-            {
-                "transformer": lambda: PixArtTransformer2DModel(**arch["transformer"]),
-                "vae": lambda: AutoencoderKL(**arch["vae"]),
-                "text_encoder": lambda: T5EncoderModel(T5Config(**arch["text_encoder"])),
-            },
-            cfg.init_seed, cfg.init_device, device, dtype,
-        )
-        tokenizer, name = build_char_tokenizer(), cfg.name
-    else:
-        modules = {m: load_component(source, m, dtype, device) for m in MODULES}
-        tokenizer, name = load_component(source, "tokenizer", dtype, device), source.path.name
+    arch = source.configs
+    factories = {
+        "transformer": lambda: PixArtTransformer2DModel(**arch["transformer"]),
+        "vae": lambda: AutoencoderKL(**arch["vae"]),
+        "text_encoder": lambda: T5EncoderModel(T5Config(**arch["text_encoder"])),
+    }
+    modules, name = make_modules(source, cfg, factories, device, dtype)
+    tokenizer = build_char_tokenizer() if source.path is None else load_component(source, "tokenizer", dtype, device)
     scheduler_class, scheduler_config = source.scheduler
     return PixArtAdapter(
         name,

@@ -204,6 +204,16 @@ def build_random_modules(
         return {name: m.to(device=device, dtype=dtype).eval() for name, m in out.items()}
 
 
+def make_modules(
+    source: "Source", cfg, factories: dict[str, Callable[[], torch.nn.Module]], device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, torch.nn.Module], str]:
+    """The model's modules and name: random weights from `factories` (component -> constructor)
+    for a config, or every one of those components loaded from the checkpoint directory."""
+    if source.path is None:
+        return build_random_modules(factories, cfg.init_seed, cfg.init_device, device, dtype), cfg.name
+    return {m: load_component(source, m, dtype, device) for m in factories}, source.path.name
+
+
 def default_max_side(native: int, hard: int | None, configured: int | None) -> int:
     """The largest side a manifest may ask for: `configured` when set, else twice the native side
     (the largest side in diffusers' aspect-ratio bins), never above a hard architectural limit."""
