@@ -17,6 +17,10 @@ class GraphRecord:
 
 @dataclass
 class EngineMetrics:
+    """Counted per engine call (one per denoising step in the forward and step scopes, one per
+    batch in the loop scope): hits are replays, misses eager calls where a graph was expected,
+    padded_rows the padded rows those calls ran. The job's own padded-row count is per batch."""
+
     active: bool = False
     reason: str = ""
     graphs: dict[str, GraphRecord] = field(default_factory=dict)
