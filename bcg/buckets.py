@@ -15,21 +15,23 @@ from bisect import bisect_left
 from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
+from bcg.errors import BCGConfigError
+
 
 def parse_ladder(values: Iterable[int]) -> tuple[int, ...]:
     """Return the ladder as sorted, unique buckets; `ValueError` naming the value that is not a bucket."""
     try:
         given = list(values)
     except TypeError:
-        raise ValueError(
+        raise BCGConfigError(
             f"bcg.ladder={values!r} is not accepted: give a list of integers >= 1, e.g. [1, 2, 4, 8]"
         ) from None
     if not given:
-        raise ValueError("bcg.ladder=[] is not accepted: give at least one bucket, e.g. [1, 2, 4, 8]")
+        raise BCGConfigError("bcg.ladder=[] is not accepted: give at least one bucket, e.g. [1, 2, 4, 8]")
     for v in given:
         # bool is an int to Python but never a batch size; numpy integers are fine.
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(
+            raise BCGConfigError(
                 f"bcg.ladder={given!r} is not accepted: {v!r} is not a bucket; "
                 "buckets must be integers >= 1"
             )
@@ -40,7 +42,7 @@ def pick_bucket(ladder: Sequence[int], n: int) -> int:
     """Smallest bucket that holds `n` rows."""
     ladder = parse_ladder(ladder)
     if n < 1 or n > ladder[-1]:
-        raise ValueError(
+        raise BCGConfigError(
             f"batch of n={n} rows has no bucket: n must be in 1..{ladder[-1]} "
             f"(the largest bucket of ladder {list(ladder)})"
         )
@@ -54,7 +56,7 @@ def linear_costs(ladder: Sequence[int], overhead_rows: float) -> dict[int, float
     as much as real ones.
     """
     if not _is_cost(overhead_rows):
-        raise ValueError(
+        raise BCGConfigError(
             f"bcg.batch_overhead_rows={overhead_rows!r} is not accepted: give a finite number >= 0"
         )
     return {b: float(overhead_rows) + b for b in parse_ladder(ladder)}
@@ -75,7 +77,7 @@ def cover_remainder(n: int, ladder: Sequence[int], costs: Mapping[int, float]) -
     """
     ladder = parse_ladder(ladder)
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"n={n!r} items cannot be covered: n must be an integer >= 0")
+        raise BCGConfigError(f"n={n!r} items cannot be covered: n must be an integer >= 0")
     exact = {b: _exact(c) for b, c in _checked_costs(ladder, costs).items()}
 
     # best[k]: (cost, padded rows, batches) of the best cover of k items; compared as tuples.
@@ -103,7 +105,7 @@ def split_sizes(n: int, ladder: Sequence[int], costs: Mapping[int, float]) -> li
     """
     ladder = parse_ladder(ladder)
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"group of n={n!r} items cannot be split: n must be an integer >= 0")
+        raise BCGConfigError(f"group of n={n!r} items cannot be split: n must be an integer >= 0")
     top = ladder[-1]
     plan = [(top, top)] * (n // top)
     left = n % top
@@ -129,12 +131,12 @@ def _checked_costs(ladder: tuple[int, ...], costs: Mapping[int, float]) -> dict[
     out = {}
     for b in ladder:
         if b not in costs:
-            raise ValueError(
+            raise BCGConfigError(
                 f"costs have no entry for bucket {b} (ladder {list(ladder)}, costs for "
                 f"{sorted(costs)}): give a cost for every bucket"
             )
         if not _is_cost(costs[b]):
-            raise ValueError(f"cost {costs[b]!r} of bucket {b} is not accepted: give a finite number >= 0")
+            raise BCGConfigError(f"cost {costs[b]!r} of bucket {b} is not accepted: give a finite number >= 0")
         out[b] = costs[b]
     return out
 

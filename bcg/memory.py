@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from bcg.errors import BCGConfigError
+
 GIB = 2**30
 SMALL_SEGMENT = 2 * 2**20  # the CUDA caching allocator's segment for blocks under 1 MiB
 
@@ -46,7 +48,7 @@ def check_pool_limit(needs: Sequence[GraphNeed], predicted: int, limit_gib: floa
     names = ", ".join(
         f"{'x'.join(map(str, n.key))} bucket {n.bucket} ({n.peak_bytes * margin / GIB:.2f} GiB)" for n in worst
     )
-    raise ValueError(
+    raise BCGConfigError(
         f"predicted graph pool {predicted / GIB:.2f} GiB exceeds bcg.pool_limit_gib={limit_gib}; "
         f"largest needs: {names}. Raise bcg.pool_limit_gib, drop the largest bucket from bcg.ladder, "
         "or run these resolutions in a separate job"

@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipeline.errors import UserError
+
 
 @dataclass
 class ModelConfig:
@@ -144,12 +146,12 @@ def check_choices(cfg: JobConfig) -> None:
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):
         if value not in accepted:
-            raise ValueError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
+            raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
     if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
-        raise ValueError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
+        raise UserError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
     if not 0 <= cfg.output.png_compress_level <= 9:
-        raise ValueError(f"output.png_compress_level={cfg.output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
+        raise UserError(f"output.png_compress_level={cfg.output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
     if cfg.output.queue_size < 1:
-        raise ValueError(f"output.queue_size={cfg.output.queue_size} must be >= 1 (batches waiting for the writer)")
+        raise UserError(f"output.queue_size={cfg.output.queue_size} must be >= 1 (batches waiting for the writer)")
     if cfg.sampler.steps < 1:
-        raise ValueError(f"sampler.steps={cfg.sampler.steps} must be >= 1")
+        raise UserError(f"sampler.steps={cfg.sampler.steps} must be >= 1")

@@ -19,6 +19,7 @@ import torch
 
 from bcg.buffers import InputSpec
 from bcg.engine import BCGEngine, Output, ShapeKey
+from pipeline.errors import UserError
 from pipeline.samplers import SAMPLERS, Sampler, make_sampler
 
 SCOPES = ("forward", "step", "loop")
@@ -31,7 +32,7 @@ class Denoiser:
 
     def __init__(self, adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine]):
         if scope not in SCOPES:
-            raise ValueError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
+            raise UserError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
         self.adapter = adapter
         self.scope = scope
         self.steps = steps

@@ -12,12 +12,13 @@ import socket
 import time
 from pathlib import Path
 
+from pipeline.errors import UserError
 from pipeline.fsutil import TMP_PREFIX
 
 log = logging.getLogger(__name__)
 
 
-class LockedError(ValueError):
+class LockedError(UserError):
     """Another live process holds the lock; the message says which."""
 
 

@@ -17,6 +17,8 @@ from typing import Any, Callable, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
+
 MAX_ID_LENGTH = 128
 MAX_SEED = 2**63 - 1  # what an int64 metadata column (and torch's signed seed) holds
 _SHOWN_CHARS = 60  # a 10,000-character bad id is shown cut, not in full
@@ -26,7 +28,7 @@ _SHOWN_CHARS = 60  # a 10,000-character bad id is shown cut, not in full
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """A user error in the manifest; its message is the whole report (users see no traceback)."""
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
 from pipeline.writer import SHARDS_DIR
 
@@ -59,7 +60,7 @@ def missing_shards(parts: list[dict]) -> list[int] | None:
     count = parts[0]["shard"]["count"]
     if any(p["shard"]["count"] != count for p in parts):
         counts = sorted({p["shard"]["count"] for p in parts})
-        raise ValueError(f"parts disagree on shard.count ({counts}): one output.dir holds two different jobs")
+        raise UserError(f"parts disagree on shard.count ({counts}): one output.dir holds two different jobs")
     return sorted(set(range(count)) - {p["shard"]["index"] for p in parts})
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.errors import UserError
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -22,7 +24,7 @@ def resolve_device(name: str, shard_index: int = 0) -> torch.device:
             return torch.device("cpu")
         return torch.device("cuda", shard_index % torch.cuda.device_count())
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"runtime.device={name} but no CUDA device is available; use runtime.device=auto or cpu")
+        raise UserError(f"runtime.device={name} but no CUDA device is available; use runtime.device=auto or cpu")
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:  # an index, so torch.cuda.set_device takes it
         device = torch.device("cuda", torch.cuda.current_device())

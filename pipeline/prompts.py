@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from pipeline.errors import UserError
+
 # prompts (N) -> conditioning tensors by name, each [N, ...]
 EncodeFn = Callable[[list[str]], dict[str, torch.Tensor]]
 DEFAULT_NEGATIVE = ""  # a row without a negative prompt, as diffusers
@@ -40,7 +42,7 @@ class PromptCache:
         """`store`: where cached tensors live (None: where `encode` puts them); `out`: where `get`
         returns them (None: where they are stored)."""
         if chunk < 1 or capacity < 1:
-            raise ValueError(f"prompt chunk ({chunk}) and cache capacity ({capacity}) must be >= 1")
+            raise UserError(f"prompt chunk ({chunk}) and cache capacity ({capacity}) must be >= 1")
         self.encode = encode
         self.chunk = chunk
         self.capacity = capacity

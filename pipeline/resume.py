@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
 from pipeline.fsutil import TMP_PREFIX
 from pipeline.planner import Batch
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
@@ -24,7 +25,7 @@ from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 COMPARED = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "guidance_scale", "model", "sampler", "settings")
 
 
-class ResumeConflict(ValueError):
+class ResumeConflict(UserError):
     """Committed outputs disagree with the job; the message names the ids."""
 
 

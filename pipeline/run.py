@@ -27,6 +27,8 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from pipeline.job import run  # heavy imports after Hydra has parsed the command line
 
+    from bcg.errors import BCGConfigError
+    from pipeline.errors import UserError
     from pipeline.guard import Interrupted
     from pipeline.writer import WriteError
 
@@ -37,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     job = OmegaConf.to_object(cfg)
     try:
         run(job, OmegaConf.to_container(cfg, resolve=True))
-    except ValueError as err:  # user errors: the message is the whole report
+    except (UserError, BCGConfigError) as err:  # the message is the whole report; anything else is a bug
         log.error("%s", err)
         sys.exit(USER_ERROR_EXIT)
     except WriteError as err:  # disk full, permission denied: committed batches are intact

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import diffusers
 import torch
 
+from pipeline.errors import UserError
+
 Tensors = dict[str, torch.Tensor]
 
 SAMPLERS = {
@@ -64,7 +66,7 @@ def sampler_name_for(scheduler_class: str) -> str:
     for name, cls in SAMPLERS.items():
         if cls == scheduler_class:
             return name
-    raise ValueError(
+    raise UserError(
         f"no graph-safe sampler for scheduler class {scheduler_class!r}; supported classes: "
         f"{sorted(SAMPLERS.values())} (or choose one with sampler={'|'.join(SAMPLERS)})"
     )
@@ -257,7 +259,7 @@ def build_scheduler(name: str, scheduler_class: str, scheduler_config: dict[str,
         scheduler = getattr(diffusers, scheduler_class).from_config(dict(scheduler_config))
     except NotImplementedError as e:
         check_supported(name, scheduler_class, scheduler_config)
-        raise ValueError(f"{scheduler_class} rejects this config: {e}") from e
+        raise UserError(f"{scheduler_class} rejects this config: {e}") from e
     check_supported(name, scheduler_class, scheduler.config)
     return scheduler
 
@@ -266,7 +268,7 @@ def check_supported(name: str, scheduler_class: str, config: dict[str, Any]) -> 
     for option, allowed in SUPPORTED_OPTIONS[name].items():
         value = config.get(option, allowed[0])  # a raw config may leave an option at its default
         if value not in allowed:
-            raise ValueError(
+            raise UserError(
                 f"{scheduler_class} option {option}={value!r} is not supported by the graph-safe "
                 f"{name!r} sampler; supported: {list(allowed)}"
             )
@@ -280,9 +282,9 @@ def make_sampler(
     if name == "default":
         name = sampler_name_for(scheduler_class)
     if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; choose 'default' or one of {list(SAMPLERS)}")
+        raise UserError(f"unknown sampler {name!r}; choose 'default' or one of {list(SAMPLERS)}")
     if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+        raise UserError(f"steps must be a positive int, got {steps!r}")
     cls = SAMPLERS[name]
     scheduler = build_scheduler(name, cls, scheduler_config)
     scheduler.set_timesteps(steps)  # on the CPU, as float32: the arithmetic below is diffusers' own
@@ -293,7 +295,7 @@ def make_sampler(
     # NaN anywhere (inf is legitimate: DDIM's "no clipping" bound) means diffusers' own schedule broke.
     broken = sorted(k for k, v in tables.items() if torch.isnan(v).any())
     if broken:
-        raise ValueError(
+        raise UserError(
             f"{cls} with this config gives NaN in its schedule at {steps} steps ({broken}); "
             "use more steps or check the scheduler config"
         )

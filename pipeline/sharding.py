@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.errors import UserError
 from pipeline.planner import Batch, Plan
 
 
@@ -24,7 +25,7 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise ValueError(
+            raise UserError(
                 f"shard.index={self.index} shard.count={self.count} is not accepted: "
                 "need shard.count >= 1 and 0 <= shard.index < shard.count"
             )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipeline.config import ModelConfig
+from pipeline.errors import UserError
 from pipeline.manifest import BadRow, Item
 from pipeline.models import dit, pixart, sd3
 from pipeline.models.source import Source, force_offline, quiet_diffusers, read_pipeline_dir
@@ -33,7 +34,7 @@ PIPELINES = {cls: name for name, module in FAMILIES.items() for cls in module.PI
 
 def _family(name: str):
     if name not in FAMILIES:
-        raise ValueError(f"model.family={name!r} is not supported; supported families: {sorted(FAMILIES)}")
+        raise UserError(f"model.family={name!r} is not supported; supported families: {sorted(FAMILIES)}")
     return FAMILIES[name]
 
 
@@ -41,17 +42,17 @@ def model_source(cfg: ModelConfig) -> Source:
     """Configs of every component, from the directory's JSON files or from the config (no weights)."""
     if cfg.weights == "pretrained":
         if not cfg.path:
-            raise ValueError("model.weights=pretrained needs model.path=/local/diffusers/dir")
+            raise UserError("model.weights=pretrained needs model.path=/local/diffusers/dir")
         force_offline()
         return read_pipeline_dir(cfg.path, PIPELINES)
     if cfg.weights != "random":
-        raise ValueError(f"model.weights={cfg.weights!r} is not accepted; choose one of ['random', 'pretrained']")
+        raise UserError(f"model.weights={cfg.weights!r} is not accepted; choose one of ['random', 'pretrained']")
     family = _family(cfg.family)
     pipeline = cfg.pipeline or family.PIPELINES[0]
     if pipeline not in family.PIPELINES:
-        raise ValueError(f"model.pipeline={pipeline!r} is not a {cfg.family} pipeline; choose one of {list(family.PIPELINES)}")
+        raise UserError(f"model.pipeline={pipeline!r} is not a {cfg.family} pipeline; choose one of {list(family.PIPELINES)}")
     if "class_name" not in cfg.scheduler:
-        raise ValueError(f"model {cfg.name!r}: model.scheduler.class_name is missing (a diffusers scheduler class)")
+        raise UserError(f"model {cfg.name!r}: model.scheduler.class_name is missing (a diffusers scheduler class)")
     scheduler = {"_class_name": cfg.scheduler["class_name"], **cfg.scheduler.get("config", {})}
     index: dict[str, Any] = {"_class_name": pipeline}
     if cfg.id2label:

@@ -18,6 +18,7 @@ from diffusers import AutoencoderKL, DiTTransformer2DModel
 
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
+from pipeline.errors import UserError
 from pipeline.manifest import Item
 from pipeline.models.base import TransformerVAE
 from pipeline.models.source import (
@@ -62,7 +63,7 @@ class DiTAdapter(TransformerVAE):
         prompt cache's padding) is the null class."""
         unknown = sorted({p for p in prompts if p and p not in self.labels})
         if unknown:
-            raise ValueError(f"model {self.name}: not class names of this DiT model: {unknown}")
+            raise UserError(f"model {self.name}: not class names of this DiT model: {unknown}")
         ids = [self.labels[p] if p else NULL_CLASS for p in prompts]
         return {"y": torch.tensor(ids, dtype=torch.int64, device=self.device)}
 

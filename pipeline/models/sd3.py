@@ -20,6 +20,7 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, 
 
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
+from pipeline.errors import UserError
 from pipeline.manifest import Item
 from pipeline.models.base import TransformerVAE, free_memory, released_message
 from pipeline.models.source import (
@@ -169,7 +170,7 @@ def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
 def check_scheduler(source: Source) -> None:
     name, config = source.scheduler
     if config.get("use_dynamic_shifting"):
-        raise ValueError(
+        raise UserError(
             f"model {source.path or source.pipeline}: scheduler {name} has use_dynamic_shifting=true, which needs a "
             "per-resolution shift (mu) that is not supported; SD3 and SD3.5 checkpoints ship a fixed shift"
         )
@@ -199,7 +200,7 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
         present = ["transformer", "vae"] + [e for e in encoders if source.has(e)]
         missing = [e for e in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2") if not source.has(e)]
         if missing:
-            raise ValueError(f"model.path={source.path}: the SD3 pipeline needs {missing}, which model_index.json lacks")
+            raise UserError(f"model.path={source.path}: the SD3 pipeline needs {missing}, which model_index.json lacks")
         modules = {m: load_component(source, m, dtype, device) for m in present}
         tokenizers = {t: load_component(source, t, dtype, device) for t in TOKENIZERS if source.has(t)}
         name = source.path.name

@@ -23,6 +23,8 @@ import transformers
 from diffusers.utils import logging as diffusers_logging
 from packaging import version
 
+from pipeline.errors import UserError
+
 MODEL_INDEX = "model_index.json"
 LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -71,16 +73,16 @@ def read_pipeline_dir(path: str | os.PathLike, pipelines: dict[str, str]) -> Sou
     root = Path(path).expanduser()
     where = f"model.path={os.fspath(path)}"
     if not root.exists():
-        raise ValueError(f"{where}: no such directory")
+        raise UserError(f"{where}: no such directory")
     if not root.is_dir():
-        raise ValueError(
+        raise UserError(
             f"{where} is a file; expected a local diffusers pipeline directory (model_index.json plus one "
             "folder per component, as pipeline.save_pretrained(dir, safe_serialization=True) writes). "
             "Single-file checkpoints are not supported."
         )
     index_file = root / MODEL_INDEX
     if not index_file.is_file():
-        raise ValueError(
+        raise UserError(
             f"{where} has no {MODEL_INDEX}: not a diffusers pipeline directory (save one with "
             "pipeline.save_pretrained(dir, safe_serialization=True))"
         )
@@ -88,7 +90,7 @@ def read_pipeline_dir(path: str | os.PathLike, pipelines: dict[str, str]) -> Sou
     pipeline = index.get("_class_name")
     if pipeline not in pipelines:
         supported = ", ".join(f"{cls} ({fam})" for cls, fam in sorted(pipelines.items()))
-        raise ValueError(
+        raise UserError(
             f"{where}: {MODEL_INDEX} names pipeline class {pipeline!r}, which is not supported; "
             f"supported pipeline classes (family): {supported}"
         )
@@ -97,12 +99,12 @@ def read_pipeline_dir(path: str | os.PathLike, pipelines: dict[str, str]) -> Sou
     for name in classes:
         folder = root / name
         if not folder.is_dir():
-            raise ValueError(f"{where}: {MODEL_INDEX} lists component {name!r} but there is no folder {folder}")
+            raise UserError(f"{where}: {MODEL_INDEX} lists component {name!r} but there is no folder {folder}")
         config = folder / ("scheduler_config.json" if name == "scheduler" else "config.json")
         if config.is_file():
             configs[name] = _read_json(config)
     if "scheduler" not in configs:
-        raise ValueError(f"{where}: no scheduler/scheduler_config.json (the checkpoint's own sampler)")
+        raise UserError(f"{where}: no scheduler/scheduler_config.json (the checkpoint's own sampler)")
     source = Source(pipelines[pipeline], pipeline, configs, root, classes, index)
     check_safetensors(source)
     return source
@@ -112,7 +114,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
+        raise UserError(f"{path} is not valid JSON ({err})") from None
 
 
 def _component_classes(index: dict[str, Any], where: str) -> dict[str, tuple[str, str]]:
@@ -123,7 +125,7 @@ def _component_classes(index: dict[str, Any], where: str) -> dict[str, tuple[str
             continue
         library, cls = entry
         if library not in LIBRARIES:
-            raise ValueError(
+            raise UserError(
                 f"{where}: component {name!r} comes from {library!r}; only components of "
                 f"{sorted(LIBRARIES)} are loaded (no remote code)"
             )
@@ -138,7 +140,7 @@ def component_class(source: Source, name: str) -> type:
     library, cls = source.classes[name]
     found = getattr(LIBRARIES[library], cls, None)
     if not isinstance(found, type):
-        raise ValueError(f"model.path={source.path}: {library} has no class {cls!r} (component {name!r})")
+        raise UserError(f"model.path={source.path}: {library} has no class {cls!r} (component {name!r})")
     return found
 
 
@@ -157,7 +159,7 @@ def check_safetensors(source: Source) -> None:
             continue
         pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
         found = f"only pickle weights ({', '.join(pickles)})" if pickles else "no weights"
-        raise ValueError(
+        raise UserError(
             f"model.path={source.path}: component {name!r} has {found}; only safetensors are loaded "
             "(pickle files can run code when loaded). Convert it with "
             "pipeline.save_pretrained(dir, safe_serialization=True)."
@@ -193,7 +195,7 @@ def build_random_modules(
     `device` (no host copy of a multi-billion-parameter model; weights then depend on the device's
     random generator)."""
     if init_device not in INIT_DEVICES:
-        raise ValueError(f"model.init_device={init_device!r} is not accepted; choose one of {list(INIT_DEVICES)}")
+        raise UserError(f"model.init_device={init_device!r} is not accepted; choose one of {list(INIT_DEVICES)}")
     where = torch.device("cpu") if init_device == "cpu" else device
     torch.manual_seed(seed)
     out = {}
