@@ -375,10 +375,15 @@ def main(argv: list[str] | None = None) -> dict:
         results["capture_all_wall_s_total"] = sum(r["capture_all_wall_s"] for r in captured)
     if "compile" not in results:
         results["compile_skipped"] = "--no-compile" if args.no_compile else "pixart not in --models"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(format_report(results))
-    print(f"\nwritten: {args.out}")
+    return save_and_report(results, format_report(results), args.out)
+
+
+def save_and_report(results: dict, report: str, out: Path) -> dict:
+    """Every benchmark script ends the same way: full JSON to `out`, the short table last on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(report)
+    print(f"\nwritten: {out}")
     return results
 
 

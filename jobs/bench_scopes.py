@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import statistics
 import sys
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bcg.engine import BCGEngine
-from jobs.bench_engine import DTYPE, environment, pixart_adapter
+from jobs.bench_engine import DTYPE, environment, pixart_adapter, save_and_report
 from pipeline.config import ModelConfig
 from pipeline.denoise import Denoiser
 from pipeline.models import build_model
@@ -201,11 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(format_report(results))
-    print(f"\nwritten: {args.out}")
-    return results
+    return save_and_report(results, format_report(results), args.out)
 
 
 if __name__ == "__main__":
