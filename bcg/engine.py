@@ -148,8 +148,12 @@ class BCGEngine:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(max(self.warmup - 1, 0)):
+            for i in range(max(self.warmup - 1, 0)):
+                start = time.perf_counter()
                 self.fn(inputs)
+                if i == 0:  # the first pass at a shape: lazy init, autotuning, compilation
+                    torch.cuda.synchronize(self.device)
+                    self.metrics.first_pass_s += time.perf_counter() - start
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -188,6 +192,10 @@ class BCGEngine:
             pool_bytes_added=torch.cuda.memory_reserved(self.device) - before,
             eager_peak_bytes=need.peak_bytes if need else 0,
         )
+
+    def need(self, key: ShapeKey, bucket: int) -> GraphNeed | None:
+        """The memory need measured before capturing (key, bucket); None when not measured."""
+        return self._needs.get((key, bucket))
 
     # ---- replay ----------------------------------------------------------------------------------
 

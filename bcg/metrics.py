@@ -30,6 +30,7 @@ class EngineMetrics:
     padded_rows: int = 0
     dropped: list[str] = field(default_factory=list)
     warmup_s: float = 0.0  # warm-up and measuring passes before capture
+    first_pass_s: float = 0.0  # of which the first pass at each shape (where torch.compile compiles)
     predicted_pool_bytes: int = 0
     predicted_separate_pools_bytes: int = 0  # the same graphs with a pool each, for comparison
     pool_bytes: int = 0
@@ -44,6 +45,7 @@ class EngineMetrics:
         out["graphs_captured"] = len(self.graphs)
         out["capture_s"] = round(self.capture_s, 4)
         out["warmup_s"] = round(self.warmup_s, 4)
+        out["first_pass_s"] = round(self.first_pass_s, 4)
         out["graphs"] = [asdict(g) for g in self.graphs.values()]
         return out
 

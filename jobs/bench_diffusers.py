@@ -58,7 +58,8 @@ from omegaconf import OmegaConf
 
 from bcg.engine import BCGEngine, precision_flags
 from pipeline.config import ModelConfig
-from pipeline.denoise import Denoiser, to_uint8
+from pipeline.denoise import Denoiser
+from pipeline.generate import to_uint8
 from pipeline.models import build_model, save_diffusers
 from pipeline.models.pixart import PixArtAdapter
 from pipeline.models.source import build_random_modules
@@ -155,7 +156,7 @@ def ours_batch(adapter, denoiser: Denoiser, cond, seeds: list[int], side: int) -
     noise = batch_noise(seeds, adapter.latent_shape(side, side), adapter.dtype, adapter.device)
     guidance = torch.full((len(seeds),), GUIDANCE, dtype=torch.float32, device=adapter.device)
     latents = denoiser.denoise(noise, cond, guidance, side, side)
-    return to_uint8(adapter.decode(latents)).numpy()
+    return to_uint8(adapter.decode(latents)).cpu().numpy()
 
 
 def diffusers_batch(pipe, cond, seeds: list[int], side: int, steps: int) -> np.ndarray:

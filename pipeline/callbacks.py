@@ -1,4 +1,5 @@
-"""Hydra callbacks: at the end of a multirun over shards, merge them into one run."""
+"""Hydra callbacks: at the end of a multirun over shards, merge them into one run; at the end of
+any other multirun, summarise its jobs in the sweep directory."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.merge import IncompleteError, merge
+from pipeline.sweep_summary import collect, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -28,3 +30,20 @@ class MergeShards(Callback):
             log.error("%s", err)
             return
         log.info("merged %d shards: %s -> %s", len(merged["shards"]), merged["images"], out_dir)
+
+
+class SweepSummary(Callback):
+    """After `-m ... bcg/ladder=pow2_8,one_8`: summary.md, summary.csv and summary.png in the sweep
+    directory, one row per job (pipeline/sweep_summary.py). Shards of one job share an output.dir
+    and have no stats of their own, so a sharded multirun is left to MergeShards."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.shard.count > 1 and not OmegaConf.is_interpolation(config.output, "dir"):
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = collect(sweep_dir)
+        if not any(r["status"] == "ok" for r in rows):
+            return  # no job wrote stats.json into its own directory (an explicit output.dir elsewhere)
+        paths = write_summary(rows, sweep_dir)
+        log.info("sweep summary of %d jobs: %s", len(rows), ", ".join(str(p) for p in paths.values()))
+        log.info("\n%s", paths["md"].read_text().rstrip("\n"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from pipeline.errors import UserError
 
@@ -57,7 +57,10 @@ class SamplerConfig:
 @dataclass
 class BCGConfig:
     enabled: bool = True
-    ladder: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    # Batch sizes that get a graph, or "auto": chosen at warm-up from a calibration of `auto_sizes`
+    # at every resolution of the manifest (least predicted job time under pool_limit_gib).
+    ladder: Any = field(default_factory=lambda: [1, 2, 4, 8])
+    auto_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     scope: str = "forward"
     warmup: int = 3
     lazy: bool = False
@@ -65,6 +68,22 @@ class BCGConfig:
     pool_margin: float = 1.3
     # Planner cost model: one batch costs as much as this many extra rows (launches, host work).
     batch_overhead_rows: float = 1.0
+
+
+@dataclass
+class KernelsConfig:
+    # auto: PyTorch SDPA's own choice; cudnn | flash | efficient | math: that SDPA backend first
+    # (the others serve only calls it cannot); flash_attn: the flash-attn package (extra `flash`).
+    # The job reports which backend served each attention call.
+    attention: str = "auto"
+    # torch.compile the transformer (inductor, static shapes, no inductor CUDA graphs) under our capture.
+    compile: bool = False
+    compile_mode: str = "default"
+    # One compilation with symbolic batch and token counts for every shape (true), or one per
+    # (resolution, bucket) (false: specialised kernels, a compile each).
+    compile_dynamic: bool = True
+    # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
+    fp8: bool = False
 
 
 @dataclass
@@ -101,6 +120,9 @@ class RuntimeConfig:
     progress: bool = True
     # Prompts encoded per text-encoder call.
     encode_batch_size: int = 64
+    # Batches queued on the device ahead of the one the writer waits for (the host runs ahead by
+    # this many; 1 = no overlap of host work with the device).
+    inflight_batches: int = 2
 
 
 @dataclass
@@ -111,15 +133,25 @@ class ShardConfig:
 
 
 @dataclass
+class BenchConfig:
+    # `+job=bench`: also run the manifest through diffusers' own pipeline (grouped by resolution,
+    # `baseline_batch` prompts per call) on the same weights, before our job, and compare.
+    baseline: bool = False
+    baseline_batch: int = 8
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     bcg: BCGConfig = field(default_factory=BCGConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     manifest: ManifestConfig = field(default_factory=ManifestConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 def register_configs() -> None:
@@ -132,6 +164,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 WEIGHTS = ("random", "pretrained")
 SCOPES = ("forward", "step", "loop")
 SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "flash_attn")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 def check_choices(cfg: JobConfig) -> None:
@@ -142,6 +176,8 @@ def check_choices(cfg: JobConfig) -> None:
         ("model.weights", cfg.model.weights, WEIGHTS),
         ("bcg.scope", cfg.bcg.scope, SCOPES),
         ("sampler.name", cfg.sampler.name, SAMPLER_NAMES),
+        ("kernels.attention", cfg.kernels.attention, ATTENTION),
+        ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
         ("output.format", cfg.output.format, ("png",)),
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):
@@ -153,5 +189,10 @@ def check_choices(cfg: JobConfig) -> None:
         raise UserError(f"output.png_compress_level={cfg.output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
     if cfg.output.queue_size < 1:
         raise UserError(f"output.queue_size={cfg.output.queue_size} must be >= 1 (batches waiting for the writer)")
+    ladder = cfg.bcg.ladder
+    if ladder != "auto" and not (OmegaConf.is_list(ladder) or isinstance(ladder, list)):
+        raise UserError(f"bcg.ladder={ladder!r} is not accepted; give a list of batch sizes, e.g. [1,2,4,8], or auto")
+    if cfg.runtime.inflight_batches < 1:
+        raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 1")
     if cfg.sampler.steps < 1:
         raise UserError(f"sampler.steps={cfg.sampler.steps} must be >= 1")

@@ -125,8 +125,3 @@ class Denoiser:
     def _loop_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
         return {k: v for k, v in self._forward_specs(key).items() if k != "t"}
 
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[n,3,H,W] in [-1,1] -> [n,H,W,3] uint8 on the CPU, rounded as diffusers' postprocess does."""
-    images = (images / 2 + 0.5).clamp(0, 1)
-    return (images.permute(0, 2, 3, 1).float().cpu() * 255).round().to(torch.uint8)

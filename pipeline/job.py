@@ -18,37 +18,38 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from bcg.buckets import pick_bucket
 from bcg.engine import BCGEngine
+from pipeline.calibrate import AUTO, auto_ladder, save_choice, saved_ladder
 from pipeline.config import JobConfig, check_choices
 from pipeline.contact_sheet import write_contact_sheet
-from pipeline.denoise import Denoiser, to_uint8
+from pipeline.denoise import Denoiser
+from pipeline.errors import UserError
+from pipeline.generate import GpuBusy, Inflight, submit_with_retry
+from pipeline.kernels import apply_kernels, with_attention
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import build_model, check_items, model_limits
-from pipeline.noise import batch_noise
 from pipeline.planner import Batch, Plan, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
-from pipeline.prompts import PromptCache, negative_or_default, prompt_cache
-from pipeline.stats import RunStats, StageTimer, library_versions
+from pipeline.prompts import prompt_cache
+from pipeline.stats import RunStats, library_versions
 from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
 from pipeline.sharding import ShardSpec, shard_batches
-from pipeline.writer import IMAGES_DIR, SHARDS_DIR, BatchResult, Writer, reserved_columns, shard_schema
+from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Writer, reserved_columns, shard_schema
 
 log = logging.getLogger(__name__)
 
 ERRORS = "errors.parquet"
-NON_FINITE = "image has non-finite values (NaN or inf)"
-OUT_OF_MEMORY = "CUDA out of memory even alone and without graphs"
 PROMPT_CACHE_ENTRIES = 4096
 
 
-def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
+def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=None) -> dict:
     """Run the job (or this process's shard of it); returns this part's stats. User errors raise
     ValueError subclasses (ManifestError, ResumeConflict, LockedError) before anything is generated;
-    SIGINT/SIGTERM raise `Interrupted` once the current batch is committed."""
+    SIGINT/SIGTERM raise `Interrupted` once the current batch is committed. `adapter`: a model
+    already built from cfg.model (the benchmark's, shared with its diffusers baseline)."""
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
     check_choices(cfg)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
@@ -77,13 +78,20 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
         )
 
     # 3. Plan the whole job (every shard computes the same plan), then take this shard's slice.
-    plan = make_plan(items, cfg.bcg.ladder, cfg.bcg.batch_overhead_rows)
-    mine = shard_batches(plan, shard, cfg.bcg.batch_overhead_rows)
-    log.info(
-        "plan: %d images in %d batches over %d resolutions, %d padded rows%s",
-        plan.items, len(plan.batches), len(plan.resolutions()), plan.padded_rows,
-        f"; {shard.name} runs {len(mine)} batches" if shard.count > 1 else "",
-    )
+    # bcg.ladder=auto plans once the model is there (step 4b), unless an earlier run of this job chose.
+    ladder = cfg.bcg.ladder
+    if ladder == AUTO and saved_ladder(out_dir) is not None:
+        ladder = saved_ladder(out_dir)
+        log.info("bcg.ladder=auto: reusing the ladder %s chosen by the first run of this job (%s)", ladder, out_dir)
+    elif ladder == AUTO and shard.count > 1:
+        raise UserError(
+            "bcg.ladder=auto with shard.count > 1: every shard must plan with the same ladder, so choose it once "
+            "(run the job with one shard, or read bcg.ladder_auto in a calibration run's stats.json) and pass it "
+            "as bcg.ladder=[...]"
+        )
+    plan = mine = None
+    if ladder != AUTO:
+        plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard)
 
     with JobLock(out_dir, shard.name), StopSignals() as stop:
         if bad:
@@ -93,10 +101,30 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
         if removed:
             log.info("removed %d temporary files left by a process that died", removed)
 
-        # 4. Model, then what is already committed under output.dir.
-        adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
+        # 4. Model and its kernels.
+        adapter = adapter or build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
+        resolutions = sorted({(it.height, it.width) for it in items})
+        k = cfg.kernels
+        kernels = apply_kernels(k.attention, k.compile, k.compile_mode, k.fp8, adapter,
+                                resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
+                                dynamic=k.compile_dynamic)
         stop.check()
-        denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps, engine_factory(cfg, device))
+
+        # 4b. bcg.ladder=auto: calibrate, choose, plan (saved so that a resumed job plans the same).
+        auto = None
+        if plan is None:
+            fn = with_attention(adapter.guided_eps, k.attention, device.type)
+            counts = {r: sum(1 for it in items if (it.height, it.width) == r) for r in resolutions}
+            choice, auto = auto_ladder(fn, lambda key: adapter.input_specs(*key), counts, list(cfg.bcg.auto_sizes),
+                                       cfg.sampler.steps, device, cfg.bcg.warmup, cfg.bcg.enabled and device.type == "cuda",
+                                       cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin)
+            ladder = list(choice.ladder)
+            plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard)
+            save_choice(out_dir, choice, auto)
+            stop.check()
+
+        # 4c. The denoiser, then what is already committed under output.dir.
+        denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps, engine_factory(cfg, ladder, device))
         fields = job_fields(cfg, adapter.name, denoiser.sampler_label, precision)
         todo = batches_to_run(out_dir, plan, mine, fields, cfg.output.on_conflict, shard)
         stats.planned = sum(len(b.items) for b in mine)
@@ -122,19 +150,27 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
             cfg.output.embed_images,
         )
 
-        # 6. Generate, batch by batch; a stop signal takes effect once the batch is committed.
+        # 6. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
+        # for its results. A stop signal takes effect once the queued batches are committed.
+        busy = GpuBusy(device)
+        inflight = Inflight(cfg.runtime.inflight_batches)
         stats.generate_started = time.perf_counter()
         try:
             with logging_redirect_tqdm(), tqdm(total=stats.planned - stats.skipped, unit="img",
                                                disable=not cfg.runtime.progress) as bar:
                 for batch in todo:
                     bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
-                    writer.submit(generate_with_retry(adapter, denoiser, prompts, batch, fields, stats))
+                    busy.begin()
+                    pending = submit_with_retry(adapter, denoiser, prompts, batch, fields, stats)
+                    busy.end(pending)
+                    writer.submit(pending)
+                    inflight.admit(pending)
                     bar.update(len(batch.items))
                     stop.check()
         finally:
             writer.close()
             denoiser.engine.close()
+        generate_s = time.perf_counter() - stats.generate_started
 
         # 7. This part's stats; the run-level stats.json and _SUCCESS once every shard's part is in.
         report = stats.to_dict()
@@ -149,6 +185,9 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
             bcg=denoiser.engine.metrics.to_dict(),
             prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
             writer_busy_s=round(writer.busy_s, 4),
+            gpu_busy=gpu_busy_report(busy, generate_s),
+            kernels={**kernels, "first_pass_s": denoiser.engine.metrics.to_dict()["first_pass_s"]},
+            ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),
             config=resolved_config,
         )
@@ -160,19 +199,39 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
     return report
 
 
-def engine_factory(cfg: JobConfig, device: torch.device):
+def plan_job(items, ladder, batch_overhead_rows: float, shard: ShardSpec) -> tuple[Plan, list[Batch]]:
+    plan = make_plan(items, ladder, batch_overhead_rows)
+    mine = shard_batches(plan, shard, batch_overhead_rows)
+    log.info(
+        "plan: %d images in %d batches over %d resolutions, ladder %s, %d padded rows%s",
+        plan.items, len(plan.batches), len(plan.resolutions()), list(plan.ladder), plan.padded_rows,
+        f"; {shard.name} runs {len(mine)} batches" if shard.count > 1 else "",
+    )
+    return plan, mine
+
+
+def engine_factory(cfg: JobConfig, ladder, device: torch.device):
     def make(fn, specs) -> BCGEngine:
         b = cfg.bcg
-        return BCGEngine(fn, specs, b.ladder, device, enabled=b.enabled, warmup=b.warmup, lazy=b.lazy,
-                         pool_limit_gib=b.pool_limit_gib, pool_margin=b.pool_margin)
+        return BCGEngine(with_attention(fn, cfg.kernels.attention, device.type), specs, ladder, device, enabled=b.enabled,
+                         warmup=b.warmup, lazy=b.lazy, pool_limit_gib=b.pool_limit_gib, pool_margin=b.pool_margin)
 
     return make
+
+
+def gpu_busy_report(busy: GpuBusy, generate_s: float) -> dict | None:
+    fraction = busy.fraction(generate_s)
+    if fraction is None:
+        return None
+    return {"fraction": round(fraction, 4), "generate_s": round(generate_s, 4), "batches": len(busy.spans),
+            "measured": "device time of every batch (events) / wall time from the first batch to the last write"}
 
 
 def job_fields(cfg: JobConfig, model: str, sampler: str, precision: dict) -> dict[str, Any]:
     """What every output row of this job says about how it was made. `settings` digests everything
     else an image depends on, so a resumed job can tell whether committed images are still its own."""
-    everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name}
+    everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name,
+                  "kernels": asdict(cfg.kernels)}
     digest = hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return {"steps": cfg.sampler.steps, "guidance_scale": cfg.sampler.guidance_scale, "model": model,
             "sampler": sampler, "settings": digest}
@@ -216,88 +275,3 @@ def finish(out_dir: Path, report: dict, shard: ShardSpec) -> None:
         "summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %.1f s wall; %s",
         images["ok"], images["failed"], images["skipped"], images["invalid"], report["wall_s"], where,
     )
-
-
-def generate_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> BatchResult:
-    """`generate_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
-    its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
-    that still does not fit is marked failed. The batch still commits as one shard under its key."""
-    try:
-        return generate_batch(adapter, denoiser, prompts, batch, fields, stats)
-    except torch.OutOfMemoryError:
-        if adapter.device.type == "cuda":
-            torch.cuda.empty_cache()
-    stats.oom_retries += 1
-    items = batch.items
-    log.warning("batch %s: CUDA out of memory with %d rows; retrying it split", batch.key, len(items))
-    if len(items) > 1:
-        half = (len(items) + 1) // 2
-        parts = [sub_batch(batch, items[:half], denoiser.engine.ladder), sub_batch(batch, items[half:], denoiser.engine.ladder)]
-        results = [generate_with_retry(adapter, denoiser, prompts, part, fields, stats) for part in parts]
-        return BatchResult(batch.key, [r for res in results for r in res.rows], [i for res in results for i in res.images])
-    try:
-        with denoiser.engine.eager():
-            return generate_batch(adapter, denoiser, prompts, batch, fields, stats)
-    except torch.OutOfMemoryError:
-        stats.add_batch(batch.height, batch.width, batch.bucket, 1, 0, {})
-        row = shard_row(items[0], batch, fields, OUT_OF_MEMORY, {}, 1)
-        return BatchResult(batch.key, [row], [None])
-
-
-def sub_batch(batch: Batch, items, ladder) -> Batch:
-    return Batch(batch.key, batch.height, batch.width, pick_bucket(ladder, len(items)), tuple(items))
-
-
-def generate_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> BatchResult:
-    """One planned batch -> its shard rows and images (None for a row whose image is not finite)."""
-    items = batch.items
-    n = len(items)
-    device = adapter.device
-    timer = StageTimer(device)
-    with timer.stage("encode"):
-        cond = cfg_conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items])
-        cond.update(adapter.size_inputs(batch.height, batch.width, n))
-    with timer.stage("noise"):
-        shape = adapter.latent_shape(batch.height, batch.width)
-        noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
-        guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
-    with timer.stage("denoise"):
-        latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width)
-    with timer.stage("decode"):
-        images = adapter.decode(latents)
-        finite = torch.isfinite(images).flatten(1).all(1).cpu()
-        pixels = to_uint8(images).numpy()
-    seconds = timer.seconds()
-    rows, out = [], []
-    for i, it in enumerate(items):
-        ok = bool(finite[i])
-        rows.append(shard_row(it, batch, fields, None if ok else NON_FINITE, seconds, n))
-        out.append(pixels[i] if ok else None)
-    if not finite.all():
-        bad = [it.id for it, f in zip(items, finite) if not f]
-        log.warning("batch %s: non-finite images for %s; rows marked failed", batch.key, bad)
-    stats.add_batch(batch.height, batch.width, batch.bucket, n, int(finite.sum()), seconds)
-    return BatchResult(batch.key, rows, out)
-
-
-def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
-    """Conditioning for CFG, each tensor [n, 2, ...]: index 0 the negative prompt ("" when the row has
-    none, as diffusers), index 1 the prompt."""
-    neg = prompts.get([negative_or_default(p) for p in negative])
-    pos = prompts.get(positive)
-    return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
-
-
-def shard_row(item, batch: Batch, fields: dict, error: str | None, seconds: dict[str, float], n: int) -> dict:
-    ok = error is None
-    return {
-        **item.extra,
-        **item.fields(),
-        "bucket": batch.bucket,
-        "batch_key": batch.key,
-        **fields,
-        "status": "ok" if ok else "failed",
-        "error": error,
-        "path": f"{IMAGES_DIR}/{item.id}.png" if ok else None,
-        **{f"time_{k}_s": v / n for k, v in seconds.items()},
-    }

@@ -25,7 +25,8 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from pipeline.job import run  # heavy imports after Hydra has parsed the command line
+    from pipeline.bench import run_bench  # heavy imports after Hydra has parsed the command line
+    from pipeline.job import run
 
     from bcg.errors import BCGConfigError
     from pipeline.errors import UserError
@@ -38,7 +39,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(USER_ERROR_EXIT)
     job = OmegaConf.to_object(cfg)
     try:
-        run(job, OmegaConf.to_container(cfg, resolve=True))
+        (run_bench if job.bench.baseline else run)(job, OmegaConf.to_container(cfg, resolve=True))
     except (UserError, BCGConfigError) as err:  # the message is the whole report; anything else is a bug
         log.error("%s", err)
         sys.exit(USER_ERROR_EXIT)

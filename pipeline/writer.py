@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -76,6 +76,15 @@ class BatchResult:
     rows: list[dict[str, Any]]  # shard rows; "path" is set for rows with an image
     images: list[np.ndarray | None]  # [H, W, 3] uint8 per row, None for a failed row
 
+    def resolve(self) -> "BatchResult":
+        return self
+
+
+class Pending(Protocol):
+    """A batch whose results may still be on their way (pipeline.generate.PendingBatch)."""
+
+    def resolve(self) -> BatchResult: ...
+
 
 def encode_png(pixels: np.ndarray, compress_level: int) -> bytes:
     buf = io.BytesIO()
@@ -92,13 +101,15 @@ class Writer:
         self.compress_level = compress_level
         self.embed_images = embed_images
         self.busy_s = 0.0
-        self.error: BaseException | None = None
-        self._queue: queue.Queue[BatchResult | None] = queue.Queue(maxsize=queue_size)
+        self.error: BaseException | None = None  # writing failed
+        self.failure: BaseException | None = None  # resolving a batch failed (a device error)
+        self._queue: queue.Queue[Pending | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._loop, name="writer", daemon=True)
         self._thread.start()
 
-    def submit(self, result: BatchResult) -> None:
-        """Queue a batch; blocks while the queue is full. Raises the writer's error, if it had one."""
+    def submit(self, result: Pending) -> None:
+        """Queue a batch; blocks while the queue is full. Raises the writer's error, if it had one.
+        The thread resolves it (waits for the device) before writing."""
         self._raise_if_failed()
         self._queue.put(result)
 
@@ -109,13 +120,20 @@ class Writer:
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
         if self.error is not None:
             raise WriteError(f"writing outputs under {self.out_dir} failed: {self.error}") from self.error
 
     def _loop(self) -> None:
-        while (result := self._queue.get()) is not None:
-            if self.error is not None:
+        while (pending := self._queue.get()) is not None:
+            if self.error is not None or self.failure is not None:
                 continue  # after a failure, drain without writing: the job is stopping
+            try:
+                result = pending.resolve()
+            except Exception as err:  # noqa: BLE001 - not swallowed: re-raised by the main thread
+                self.failure = err
+                continue
             start = time.perf_counter()
             try:
                 self._write(result)

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
 
-from pipeline.config import JobConfig, register_configs
+from pipeline.config import JobConfig, ModelConfig, register_configs
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -29,6 +29,12 @@ def job_config(*overrides: str) -> JobConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
     return OmegaConf.to_object(cfg)
+
+
+def model_config(name: str) -> ModelConfig:
+    """conf/model/<name>.yaml as the typed config (no Hydra composition)."""
+    raw = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"))
+    return OmegaConf.to_object(raw)
 
 
 def cpu_job(manifest: Path, out: Path, *overrides: str) -> JobConfig:

@@ -81,3 +81,28 @@ def test_contact_sheet_grid_holds_every_image(n):
 def test_digits_limits_come_from_the_shipped_directory():
     cfg = job_config(*MODEL, "manifest.path=m", "output.dir=o").model
     assert model_limits(cfg) == (8, 48)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_the_demo_model_under_graphs_on_the_gpu_equals_eager_and_reads_right(tmp_path):
+    """The 60-digit check on the GPU, in the demo's precision (fp32, TF32 off): every scope with
+    graphs gives the same PNG bytes as graphs off (the engine's tolerance is 0 levels), and the
+    classifier still reads >= MIN_ACCURACY of them."""
+    rows = digit_rows()
+    manifest = write_manifest(tmp_path / "digits.parquet", rows)
+    out = {}
+    for name, extra in {"eager": ["bcg.enabled=false"], "forward": [], "loop": ["bcg.scope=loop"]}.items():
+        cfg = cpu_job(manifest, tmp_path / name, *MODEL, f"sampler.steps={STEPS}", f"sampler.guidance_scale={GUIDANCE}",
+                      "runtime.device=cuda", "precision=fp32", *extra)
+        report = run(cfg)
+        assert report["images"]["ok"] == len(rows), name
+        assert report["bcg"]["misses"] == 0 and (report["bcg"]["hits"] > 0) == (name != "eager"), name
+        out[name] = tmp_path / name / "images"
+    for r in rows:
+        assert (out["forward"] / f"{r['id']}.png").read_bytes() == (out["eager"] / f"{r['id']}.png").read_bytes(), r["id"]
+    gray = [png(out["loop"] / f"{r['id']}.png").mean(-1) / 255.0 for r in rows]
+    predicted = fit_classifier().predict(np.concatenate([features(g[None]) for g in gray]))
+    accuracy = float((predicted == np.array([r["label"] for r in rows])).mean())
+    print(f"GPU, loop scope: digits read right {accuracy:.3f}")
+    assert accuracy >= MIN_ACCURACY

@@ -10,13 +10,11 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from bcg.buffers import pad_rows
 from bcg.engine import BCGEngine
-from conftest import REPO, cpu_job
+from conftest import cpu_job, model_config
 from jobs.make_demo_manifest import demo_table
-from pipeline.config import ModelConfig
 from pipeline.job import run
 from pipeline.models import build_model
 from pipeline.precision import apply_precision
@@ -28,11 +26,6 @@ LADDER = [1, 2, 4, 8]
 # differently; measured on the H200, see docs/BENCHMARKS.md.
 FORWARD_VS_STEP_GPU_MAX_LEVELS = 8
 RESOLUTIONS = [(64, 64), (128, 64)]
-
-
-def model_config(name: str) -> ModelConfig:
-    raw = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
-    return OmegaConf.to_object(raw)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,197 @@
+"""Benchmark of the denoiser's kernels: how close one CFG step of PixArt-Sigma gets to the GPU's matmul rate.
+
+On the GPU, from the repository root (random weights, bf16, TF32 off, cudnn.benchmark off):
+
+    python jobs/bench_kernels.py --out outputs/bench/bench_kernels.json
+
+1. The measured bf16 matmul rate: the best of `--iters` 8192^3 torch.mm calls (the reference rate).
+2. SDPA backends at PixArt-Sigma's self-attention at 1024 px with 8 prompts (16 rows with CFG,
+   16 heads, 4096 tokens, head dim 72): milliseconds and TFLOP/s (4*B*H*N^2*D FLOPs).
+3. One CFG step (`PixArtAdapter.guided_eps`, 2B rows) at `--side` px and bucket `--bucket`, replayed
+   from our engine's graph, per kernel variant (`pipeline.kernels`: attention backend, torch.compile
+   dynamic or static): median ms, TFLOP/s from the step's FLOPs (torch.utils.flop_counter, matmuls
+   and attention) and the share of the matmul rate; compile seconds; whether replay equals the
+   (compiled) eager call bit for bit.
+4. `bcg.scope` with the fastest variant at 512 px, 1 prompt, 20 steps: forward vs loop ms per image.
+CPU check (tiny model, no graphs, no compile): `python jobs/bench_kernels.py --smoke --out /tmp/k.json`.
+"""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch.nn.attention import sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from bcg.engine import BCGEngine
+from jobs.bench_engine import environment, make_inputs, pixart_adapter, save_and_report, time_calls
+from jobs.bench_scopes import make_denoiser, random_batch, time_denoise
+from pipeline.errors import UserError
+from pipeline.kernels import SDPA, apply_kernels, with_attention
+from pipeline.precision import apply_precision
+
+VARIANTS = {  # name -> (attention, compile, dynamic, fp8); fp8 changes the weights in place: keep it last
+    "auto": ("auto", False, False, False),
+    "flash": ("flash", False, False, False),
+    "efficient": ("efficient", False, False, False),
+    "cudnn": ("cudnn", False, False, False),
+    "cudnn+compile": ("cudnn", True, True, False),
+    "cudnn+compile-static": ("cudnn", True, False, False),  # not in the default run: one more full compile
+    "cudnn+fp8+compile": ("cudnn", True, True, True),
+}
+
+
+REFERENCE: dict[str, torch.Tensor] = {}
+
+
+def matmul_rate(device: torch.device, iters: int, n: int) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = min(time_calls(lambda: torch.mm(a, b), device, 2, 1) for _ in range(iters))
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def sdpa_rates(device: torch.device, iters: int, rows: int, tokens: int) -> dict:
+    q, k, v = (torch.randn(rows, 16, tokens, 72, device=device, dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * rows * 16 * tokens**2 * 72
+    out = {}
+    for name, backend in SDPA.items():
+        if name == "math":
+            continue
+        with sdpa_kernel([backend]):
+            try:
+                ms = time_calls(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device, 3, iters)
+            except RuntimeError as err:
+                out[name] = {"error": str(err).splitlines()[0]}
+                continue
+        out[name] = {"ms": round(ms, 3), "tflops": round(flops / (ms / 1e3) / 1e12, 1)}
+    return out
+
+
+def step_flops(adapter, inputs) -> int:
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        adapter.guided_eps(inputs)
+    return counter.get_total_flops()
+
+
+def reset_compile(adapter) -> None:
+    adapter.transformer._compiled_call_impl = None
+    torch._dynamo.reset()
+
+
+def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int) -> dict:
+    attention, compile_, dynamic, fp8 = VARIANTS[name]
+    reset_compile(adapter)
+    start = time.perf_counter()
+    report = apply_kernels(attention, compile_ and device.type == "cuda", "default", fp8, adapter, (side, side),
+                           shapes=4, dynamic=dynamic)
+    fn = with_attention(adapter.guided_eps, attention, device.type)
+    engine = BCGEngine(fn, lambda key: adapter.input_specs(*key), [bucket], device, warmup=3)
+    engine.capture_all([(side, side)])
+    setup_s = time.perf_counter() - start
+    ms = time_calls(lambda: engine.run((side, side), inputs, bucket), device, 3, iters)
+    with torch.no_grad():
+        replay, eager = engine.run((side, side), inputs, bucket), fn(inputs)
+        same = bool(torch.equal(replay, eager))
+        reference = REFERENCE.setdefault("eps", eager.float())  # the first variant's output (auto, bf16)
+        err = (eager.float() - reference).norm() / reference.norm()
+    row = {"ms": round(ms, 3), "setup_s": round(setup_s, 2), "first_pass_s": round(engine.metrics.first_pass_s, 2),
+           "replay_equals_eager": same, "attention_calls": report.get("attention_calls_per_forward"),
+           "rel_err_vs_first": round(float(err), 5)}
+    engine.close()
+    return row
+
+
+def bench_scopes_fast(adapter, device, steps: int, iters: int) -> dict:
+    batch = random_batch(adapter, 512, 1, device)
+    out = {}
+    for mode in ("forward", "loop"):
+        denoiser = make_denoiser(adapter, mode, steps, 1, device)
+        fn = denoiser.engine.fn
+        denoiser.engine.fn = with_attention(fn, "cudnn", device.type)
+        denoiser.capture_all([(512, 512)])
+        out[mode] = round(time_denoise(denoiser, batch, 512, iters), 2)
+        denoiser.engine.close()
+    out["loop_speedup_vs_forward"] = round(out["forward"] / out["loop"], 3)
+    return out
+
+
+def save_partial(results: dict, out: Path) -> None:
+    """After every variant: a run cut short by a time limit keeps what it measured."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+def format_report(r: dict) -> str:
+    rate = r["matmul_tflops"]
+    lines = [f"bf16 matmul {r['matmul_n']}^3: {rate:.0f} TFLOP/s (reference rate)",
+             "SDPA at 16 rows x 16 heads x 4096 tokens x 72: " + ", ".join(
+                 f"{k} {v.get('tflops', v.get('error'))} TFLOP/s" for k, v in r["sdpa"].items()),
+             f"CFG step at {r['side']} px, bucket {r['bucket']} ({r['step_tflop']:.1f} TFLOP per step):",
+             "| variant | ms/step | TFLOP/s | % of matmul rate | compile/first pass s | replay == eager | rel. error vs auto |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in r["variants"].items():
+        tflops = r["step_tflop"] / (v["ms"] / 1e3)
+        lines.append(f"| {name} | {v['ms']:.1f} | {tflops:.0f} | {100 * tflops / rate:.1f}% | {v['first_pass_s']} | {v['replay_equals_eager']} | {v['rel_err_vs_first']} |")
+    for name, why in r.get("variants_skipped", {}).items():
+        lines.append(f"| {name} | skipped: {why} |")
+    if "scopes_fast" in r:
+        s = r["scopes_fast"]
+        lines.append(f"512 px, 1 prompt, {r['steps']} steps, cudnn+compile: forward {s['forward']} ms, loop {s['loop']} ms "
+                     f"-> loop {s['loop_speedup_vs_forward']}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", type=int, default=1024)
+    p.add_argument("--bucket", type=int, default=8)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "cudnn+compile-static"])
+    p.add_argument("--no-scopes", action="store_true")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    smoke = args.smoke or device.type != "cuda"
+    side, bucket = (64, 2) if smoke else (args.side, args.bucket)
+    n = 1024 if smoke else 8192
+    results = {"environment": environment(device, args), "side": side, "bucket": bucket, "steps": args.steps, "matmul_n": n,
+               "matmul_tflops": matmul_rate(device, args.iters, n),
+               "sdpa": sdpa_rates(device, args.iters, 2 if smoke else 16, 256 if smoke else 4096) if device.type == "cuda" else {}}
+    adapter = pixart_adapter("tiny" if smoke else "pixart_sigma", device)
+    inputs = make_inputs(adapter.input_specs(side, side), bucket, device)
+    results["step_tflop"] = step_flops(adapter, inputs) / 1e12
+    results["variants"] = {}
+    variants = [v for v in args.variants if device.type == "cuda" or not VARIANTS[v][1]]
+    variants = sorted(variants, key=lambda v: VARIANTS[v][3])  # fp8 last: it changes the weights
+    if not args.no_scopes and device.type == "cuda" and not smoke:
+        reset_compile(adapter)
+        apply_kernels("cudnn", True, "default", False, adapter, None, shapes=4, dynamic=True)
+        results["scopes_fast"] = bench_scopes_fast(adapter, device, args.steps, max(args.iters // 2, 3))
+    for name in variants:
+        try:
+            results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters)
+        except UserError as err:  # fp8 without torchao or without float8 tensor cores
+            results["variants_skipped"] = {**results.get("variants_skipped", {}), name: str(err)}
+            continue
+        save_partial(results, args.out)
+        print(next(line for line in format_report(results).splitlines() if line.startswith(f"| {name} |")), flush=True)
+        gc.collect()
+    return save_and_report(results, format_report(results), args.out)
+
+
+if __name__ == "__main__":
+    main()

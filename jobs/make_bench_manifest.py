@@ -1,0 +1,69 @@
+"""Write the mixed-resolution manifests of `+job=bench` (seeded, so the files are reproducible).
+
+    python jobs/make_bench_manifest.py            # both files below
+    python jobs/make_bench_manifest.py --rows 1000 --out jobs/manifests/bench_mixed.parquet
+
+About 60% of rows at 512 px, 25% at 768 px and 15% at 1024 px, in counts that leave remainders at
+every ladder (so remainder handling and padding are part of what is measured), in shuffled order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SHARES = ((512, 0.60), (768, 0.25), (1024, 0.15))
+SUBJECTS = ["a lighthouse", "a red fox", "a city street", "a bowl of fruit", "a mountain lake", "an old robot",
+            "a sailing ship", "a desert canyon", "a cat on a sofa", "a glass teapot", "a forest path", "a jazz club"]
+STYLES = ["at dawn", "in watercolor", "photorealistic", "in the rain", "as a pencil sketch", "at night, neon light",
+          "in soft studio light", "from above"]
+DEFAULTS = {1000: Path(__file__).parent / "manifests" / "bench_mixed.parquet",
+            200: Path(__file__).parent / "manifests" / "bench_small.parquet",
+            60: Path(__file__).parent / "manifests" / "bench_tiny.parquet"}
+
+
+def counts(rows: int) -> dict[int, int]:
+    """Rows per side at the shares, the 1024 px count nudged up until no group is a multiple of 8
+    (so every ladder up to 8, and 16, leaves a remainder)."""
+    out = {side: round(rows * share) for side, share in SHARES[1:]}
+    while True:
+        out[512] = rows - sum(n for side, n in out.items() if side != 512)
+        if all(n % 8 for n in out.values()):
+            return dict(sorted(out.items()))
+        out[1024] += 1
+
+
+def bench_table(rows: int, seed: int = 0) -> pa.Table:
+    rng = random.Random(seed)
+    sides = [side for side, n in counts(rows).items() for _ in range(n)]
+    rng.shuffle(sides)
+    prompts = [f"{rng.choice(SUBJECTS)} {rng.choice(STYLES)}" for _ in sides]
+    return pa.table({
+        "id": pa.array([f"r{i:05d}" for i in range(len(sides))], pa.string()),
+        "prompt": pa.array(prompts, pa.string()),
+        "width": pa.array(sides, pa.int64()),
+        "height": pa.array(sides, pa.int64()),
+        "seed": pa.array(range(len(sides)), pa.int64()),
+    })
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    targets = {args.rows: args.out or Path(f"bench_{args.rows}.parquet")} if args.rows else DEFAULTS
+    for rows, out in targets.items():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table = bench_table(rows)
+        pq.write_table(table, out)
+        per_side = {s: n for s, n in counts(rows).items()}
+        print(f"wrote {out}: {table.num_rows} rows, per side {per_side}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""`+job=bench`: our job against diffusers' own pipeline on the same manifest, weights and seeds.
+
+The baseline is what a user without this tool would write: the manifest grouped by resolution, then
+`bench.baseline_batch` prompts per pipeline call (the last call of a resolution smaller), one
+generator per row, images returned as PIL (not saved). It runs first, on the untouched model; then
+our job runs with its configured kernels on the same modules. Both are timed from their first
+prompt to their last image; ours also in steady state (the generate phase, after capture). The
+first batch of every resolution is compared pixel by pixel with our PNGs. `bench.json` in
+output.dir holds it all; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.config import JobConfig
+from pipeline.errors import UserError
+from pipeline.fsutil import atomic_write_text
+from pipeline.manifest import read_manifest
+from pipeline.models import build_model, check_items, model_limits, to_diffusers
+from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.writer import IMAGES_DIR
+
+log = logging.getLogger(__name__)
+
+BENCH = "bench.json"
+TEXT_FAMILIES = ("pixart", "sd3")
+
+
+def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
+    from pipeline.job import run
+
+    device = resolve_device(cfg.runtime.device, 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
+    granularity, max_side = model_limits(cfg.model)
+    items, bad = check_items(cfg.model, *read_manifest(cfg.manifest.path, granularity, max_side))
+    adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
+    if adapter.family not in TEXT_FAMILIES:
+        raise UserError(f"bench.baseline=true supports the text-to-image families {list(TEXT_FAMILIES)}, not {adapter.family!r}")
+
+    baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale, cfg.bench.baseline_batch)
+    start = time.perf_counter()
+    report = run(cfg, resolved_config, adapter=adapter)
+    ours_s = time.perf_counter() - start
+
+    out_dir = Path(cfg.output.dir)
+    ok = report["images"]["ok"]
+    stats_bcg = report["bcg"]
+    result = {
+        "rows": len(items),
+        "baseline": baseline,
+        "ours": {
+            "images": ok,
+            "end_to_end_s": round(ours_s, 3),
+            "images_per_s": round(ok / ours_s, 4),
+            "generate_s": report["generate_s"],
+            "generate_images_per_s": report["images_per_s"],
+            "stage_s": report["stage_s"],
+            "padded_row_share": round(report["padded_rows"] / max(ok + report["padded_rows"], 1), 4),
+            "graph_pool_mib": round(stats_bcg["pool_bytes"] / 2**20, 1),
+            "capture_s": stats_bcg["capture_s"],
+            "warmup_s": stats_bcg["warmup_s"],
+            "gpu_busy": (report.get("gpu_busy") or {}).get("fraction"),
+            "kernels": report["kernels"],
+            "ladder": report["ladder"],
+            "scope": report["scope"],
+        },
+        "speedup_end_to_end": round(baseline["seconds"] / ours_s, 3),
+        "speedup_generate": round(report["images_per_s"] / baseline["images_per_s"], 3) if report["images_per_s"] else None,
+        "vs_baseline_pixels": compare_images(out_dir, reference),
+    }
+    atomic_write_text(out_dir / BENCH, json.dumps(result, indent=2))
+    log.info("bench:\n%s", table(result))
+    return result
+
+
+def diffusers_baseline(adapter, items, steps: int, guidance: float, batch: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """-> (timing, {id: uint8 image} for the first call of every resolution)."""
+    pipe = to_diffusers(adapter)
+    pipe.set_progress_bar_config(disable=True)
+    extra = {"use_resolution_binning": False, "clean_caption": False, "max_sequence_length": adapter.max_sequence_length} \
+        if adapter.family == "pixart" else {}
+    reference: dict[str, np.ndarray] = {}
+    calls = 0
+    start = time.perf_counter()
+    by_size = sorted(items, key=lambda it: (it.height, it.width, it.row))
+    for (h, w), group in groupby(by_size, key=lambda it: (it.height, it.width)):
+        group = list(group)
+        for first in range(0, len(group), batch):
+            rows = group[first:first + batch]
+            images = pipe(
+                prompt=[it.prompt for it in rows],
+                negative_prompt=[it.negative_prompt or "" for it in rows],
+                height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
+                generator=[torch.Generator("cpu").manual_seed(it.seed) for it in rows],
+                output_type="pil", **extra,
+            ).images
+            calls += 1
+            if first == 0:
+                reference.update({it.id: np.asarray(im) for it, im in zip(rows, images)})
+    seconds = time.perf_counter() - start
+    log.info("bench: diffusers baseline %d images in %d calls, %.1f s (%.3f img/s)", len(items), calls, seconds, len(items) / seconds)
+    return {"pipeline": type(pipe).__name__, "images": len(items), "calls": calls, "batch": batch,
+            "seconds": round(seconds, 3), "images_per_s": round(len(items) / seconds, 4)}, reference
+
+
+def compare_images(out_dir: Path, reference: dict[str, np.ndarray]) -> dict:
+    """Our PNG vs diffusers' image for the same row: max and mean absolute difference (levels)."""
+    diffs = []
+    for row_id, theirs in reference.items():
+        path = out_dir / IMAGES_DIR / f"{row_id}.png"
+        if path.exists():
+            ours = np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
+            diffs.append(np.abs(ours - theirs.astype(np.int16)))
+    if not diffs:
+        return {"images": 0}
+    return {"images": len(diffs), "max": int(max(d.max() for d in diffs)),
+            "mean": round(float(np.mean([d.mean() for d in diffs])), 4)}
+
+
+def table(result: dict) -> str:
+    b, o = result["baseline"], result["ours"]
+    lines = [
+        "| system | images | seconds | images/s | vs diffusers |",
+        "|---|---|---|---|---|",
+        f"| diffusers {b['pipeline']} (batches of {b['batch']}) | {b['images']} | {b['seconds']:.1f} | {b['images_per_s']:.3f} | 1.00x |",
+        f"| ours, end to end (encode, warm-up, capture, generate, write) | {o['images']} | {o['end_to_end_s']:.1f} | {o['images_per_s']:.3f} | {result['speedup_end_to_end']:.2f}x |",
+        f"| ours, generate phase | {o['images']} | {o['generate_s']:.1f} | {o['generate_images_per_s']:.3f} | {result['speedup_generate']:.2f}x |",
+        "",
+        f"ladder {o['ladder']}, scope {o['scope']}, kernels {o['kernels']}",
+        f"stage seconds {o['stage_s']}; padded-row share {o['padded_row_share']:.1%}; graph pool {o['graph_pool_mib']} MiB; "
+        f"capture {o['capture_s']} s (warm-up {o['warmup_s']} s); GPU busy {o['gpu_busy']}",
+        f"ours vs diffusers, first batch of each resolution: {result['vs_baseline_pixels']}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""One planned batch on the device, queued without waiting for it.
+
+`submit_batch` queues a batch's work (conditioning, noise, denoise, decode, the uint8 conversion and
+the finite check, and the copy of both into pinned host memory) and returns a `PendingBatch` at
+once; the writer thread resolves it (waits for its event, builds its rows) while the main thread
+queues the next batch. So the GPU never waits for PNG encoding, Parquet writes or the host's
+preparation of the next batch. `Inflight` bounds how far the host runs ahead, and `GpuBusy` measures
+what is left of the waiting, from events on the GPU's own timeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+import numpy as np
+import torch
+
+from bcg.buckets import pick_bucket
+from pipeline.denoise import Denoiser
+from pipeline.noise import batch_noise
+from pipeline.planner import Batch
+from pipeline.prompts import PromptCache, negative_or_default
+from pipeline.stats import RunStats, StageTimer
+from pipeline.writer import IMAGES_DIR, BatchResult
+
+log = logging.getLogger(__name__)
+
+NON_FINITE = "image has non-finite values (NaN or inf)"
+OUT_OF_MEMORY = "CUDA out of memory even alone and without graphs"
+
+
+@dataclass
+class PendingBatch:
+    """A batch whose device work is queued. `resolve` (writer thread) waits for it and returns its
+    rows and images; it also counts the batch in the run's stats (only the writer thread does)."""
+
+    batch: Batch
+    fields: dict
+    stats: RunStats
+    timer: StageTimer | None = None
+    pixels: torch.Tensor | None = None  # [n, H, W, 3] uint8 on the host (pinned on CUDA)
+    finite: torch.Tensor | None = None  # [n] bool on the host
+    done: torch.cuda.Event | None = None
+    parts: list["PendingBatch"] = field(default_factory=list)  # an out-of-memory split
+    error: str | None = None  # every row failed with this reason
+
+    def resolve(self) -> BatchResult:
+        rows, images = self._rows()
+        return BatchResult(self.batch.key, rows, images)
+
+    def _rows(self) -> tuple[list[dict], list[np.ndarray | None]]:
+        if self.parts:
+            rows, images = [], []
+            for part in self.parts:
+                r, i = part._rows()
+                rows += r
+                images += i
+            return rows, images
+        b, n = self.batch, len(self.batch.items)
+        if self.error is not None:
+            self.stats.add_batch(b.height, b.width, b.bucket, n, 0, {})
+            return [shard_row(it, b, self.fields, self.error, {}, n) for it in b.items], [None] * n
+        if self.done is not None:
+            self.done.synchronize()
+        seconds = self.timer.seconds()
+        finite, pixels = self.finite.numpy(), self.pixels.numpy()
+        rows = [shard_row(it, b, self.fields, None if ok else NON_FINITE, seconds, n) for it, ok in zip(b.items, finite)]
+        if not finite.all():
+            bad = [it.id for it, ok in zip(b.items, finite) if not ok]
+            log.warning("batch %s: non-finite images for %s; rows marked failed", b.key, bad)
+        self.stats.add_batch(b.height, b.width, b.bucket, n, int(finite.sum()), seconds)
+        return rows, [pixels[i] if ok else None for i, ok in enumerate(finite)]
+
+
+def submit_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> PendingBatch:
+    """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
+    its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
+    that still does not fit is marked failed. The batch still commits as one shard under its key."""
+    try:
+        return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
+    except torch.OutOfMemoryError:
+        if adapter.device.type == "cuda":
+            torch.cuda.synchronize(adapter.device)
+            torch.cuda.empty_cache()
+    stats.oom_retries += 1
+    items = batch.items
+    log.warning("batch %s: CUDA out of memory with %d rows; retrying it split", batch.key, len(items))
+    if len(items) > 1:
+        half = (len(items) + 1) // 2
+        halves = (items[:half], items[half:])
+        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats) for h in halves]
+        return PendingBatch(batch, fields, stats, parts=parts)
+    try:
+        with denoiser.engine.eager():
+            return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
+    except torch.OutOfMemoryError:
+        return PendingBatch(batch, fields, stats, error=OUT_OF_MEMORY)
+
+
+def sub_batch(batch: Batch, items, ladder) -> Batch:
+    return Batch(batch.key, batch.height, batch.width, pick_bucket(ladder, len(items)), tuple(items))
+
+
+def submit_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> PendingBatch:
+    """Queue one planned batch's device work; nothing here waits for the device."""
+    items = batch.items
+    n = len(items)
+    device = adapter.device
+    timer = StageTimer(device)
+    with timer.stage("encode"):
+        cond = cfg_conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items])
+        cond.update(adapter.size_inputs(batch.height, batch.width, n))
+    with timer.stage("noise"):
+        shape = adapter.latent_shape(batch.height, batch.width)
+        noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
+        guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
+    with timer.stage("denoise"):
+        latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width)
+    with timer.stage("decode"):
+        images = adapter.decode(latents)
+        finite = torch.isfinite(images).flatten(1).all(1)
+        pixels = to_uint8(images)
+    pending = PendingBatch(batch, fields, stats, timer, to_host(pixels), to_host(finite))
+    if device.type == "cuda":
+        pending.done = torch.cuda.Event()
+        pending.done.record()
+    return pending
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[n,3,H,W] in [-1,1] -> [n,H,W,3] uint8 on the same device, rounded as diffusers'
+    postprocess does (clamp in the image dtype, then x255 and round-half-even in float32: each is a
+    single correctly rounded operation, so device and host give the same bytes)."""
+    images = (images / 2 + 0.5).clamp(0, 1)
+    return (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`, queued (pinned memory, no wait) when `t` is on a CUDA device."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
+    """Conditioning for CFG, each tensor [n, 2, ...]: index 0 the negative prompt ("" when the row has
+    none, as diffusers), index 1 the prompt."""
+    neg = prompts.get([negative_or_default(p) for p in negative])
+    pos = prompts.get(positive)
+    return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
+
+
+def shard_row(item, batch: Batch, fields: dict, error: str | None, seconds: dict[str, float], n: int) -> dict:
+    ok = error is None
+    return {
+        **item.extra,
+        **item.fields(),
+        "bucket": batch.bucket,
+        "batch_key": batch.key,
+        **fields,
+        "status": "ok" if ok else "failed",
+        "error": error,
+        "path": f"{IMAGES_DIR}/{item.id}.png" if ok else None,
+        **{f"time_{k}_s": v / n for k, v in seconds.items()},
+    }
+
+
+class Inflight:
+    """Bounds how many submitted batches the device may still be working on: `admit` waits (on the
+    host, while the device stays busy with the others) for the oldest once `depth` are queued."""
+
+    def __init__(self, depth: int):
+        self.depth = max(depth, 1)
+        self._events: deque[torch.cuda.Event] = deque()
+
+    def admit(self, pending: PendingBatch) -> None:
+        for event in _events_of(pending):
+            self._events.append(event)
+        while len(self._events) > self.depth:
+            self._events.popleft().synchronize()
+
+
+def _events_of(pending: PendingBatch) -> list[torch.cuda.Event]:
+    if pending.parts:
+        return [e for p in pending.parts for e in _events_of(p)]
+    return [pending.done] if pending.done is not None else []
+
+
+class GpuBusy:
+    """The fraction of the generate phase's wall time the device spent on batches, from events on
+    the device's own timeline: a `begin` event queued before each batch's work and its `done` event
+    after. When the host falls behind, the next `begin` runs late and the gap counts as idle; so
+    does the writer's tail after the last batch. Gaps *inside* a batch (eager launches slower than
+    the kernels) are not seen here: graphs remove those, and a profiler run measures them."""
+
+    def __init__(self, device: torch.device):
+        self.active = device.type == "cuda"
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._begin: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        if self.active:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+
+    def end(self, pending: PendingBatch) -> None:
+        if self.active and self._begin is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.append((self._begin, end))
+
+    def fraction(self, wall_s: float) -> float | None:
+        """Busy seconds / wall_s, once every span has completed (after the writer closed)."""
+        if not self.active or not self.spans or wall_s <= 0:
+            return None
+        busy_ms = sum(b.elapsed_time(e) for b, e in self.spans)
+        return min(busy_ms / 1000 / wall_s, 1.0)

@@ -1,0 +1,230 @@
+"""Which kernels the denoiser runs: the attention backend, torch.compile, float8 linear layers.
+
+`kernels.attention` picks PyTorch SDPA's backend (`sdpa_kernel` with that backend first, the others
+as fallbacks for calls it cannot serve) or flash-attn's kernel (the optional `flash` extra). What
+actually ran is observed, not assumed: `probe_attention` records the SDPA ops of one eager call and
+the job reports them. `kernels.compile` compiles the transformer with inductor, without inductor's
+own CUDA graphs, so our engine captures the compiled kernels like any others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+from typing import Callable
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pipeline.config import ATTENTION, COMPILE_MODES
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SDPA = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+# aten ops behind F.scaled_dot_product_attention -> the backend that ran it.
+SDPA_OPS = {
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+FLASH_ATTN_OP = "flash_attn"
+
+
+def check_attention(name: str, family: str) -> None:
+    """Refuse, at start, a backend that is not there or that this family cannot use."""
+    if name not in ATTENTION:
+        raise UserError(f"kernels.attention={name!r} is not accepted; choose one of {list(ATTENTION)}")
+    if name != "flash_attn":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise UserError(
+            "kernels.attention=flash_attn needs the flash-attn package, which is not installed "
+            "(pip install -e '.[flash]' on a CUDA machine); or choose one of PyTorch's SDPA backends: "
+            f"{list(SDPA)}"
+        )
+    if family not in FLASH_ATTN_FAMILIES:
+        raise UserError(
+            f"kernels.attention=flash_attn supports model families {list(FLASH_ATTN_FAMILIES)}, not {family!r}; "
+            f"choose one of {list(SDPA)}"
+        )
+
+
+def attention_context(name: str, device_type: str = "cuda"):
+    """The SDPA backends for one call of the denoiser: on CUDA `name` first, the others in PyTorch's
+    order for calls it cannot serve; on the CPU (which ignores priorities) `name` and math only."""
+    if name in ("auto", "flash_attn"):
+        return nullcontext()
+    first = SDPA[name]
+    if device_type != "cuda":
+        return sdpa_kernel(list(dict.fromkeys([first, SDPBackend.MATH])))
+    return sdpa_kernel([first, *(b for b in SDPA.values() if b != first)], set_priority=True)
+
+
+def with_attention(fn: Callable, name: str, device_type: str = "cuda") -> Callable:
+    """fn, run under `attention_context(name, device_type)`; `fn` itself when nothing needs setting."""
+    if name in ("auto", "flash_attn"):
+        return fn
+
+    def run(*args, **kwargs):
+        with attention_context(name, device_type):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def probe_attention(call: Callable[[], object]) -> dict[str, int]:
+    """Run `call` once under the profiler -> {backend: SDPA calls it served}. The SDPA op names say
+    which kernel PyTorch chose for every attention call (flash-attn's calls show as `flash_attn`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    counts: Counter[str] = Counter()
+    for event in prof.events():
+        if event.name in SDPA_OPS:
+            counts[SDPA_OPS[event.name]] += 1
+        elif event.name == FlashAttnProcessor.RECORD:
+            counts[FLASH_ATTN_OP] += 1
+    return dict(sorted(counts.items()))
+
+
+# ---- flash-attn ---------------------------------------------------------------------------------
+
+FLASH_ATTN_FAMILIES = ("pixart", "dit")
+
+
+class FlashAttnProcessor:
+    """diffusers' AttnProcessor2_0 (PixArt's and DiT's attention) with flash-attn's kernel for every
+    call without a mask. A masked call (PixArt's cross-attention over padded prompt tokens) has no
+    flash-attn equivalent at fixed shapes and goes to SDPA; `probe_attention` reports both."""
+
+    RECORD = "flash_attn::flash_attn_func"
+
+    def __init__(self, flash_attn_func: Callable | None = None):
+        if flash_attn_func is None:
+            from flash_attn import flash_attn_func
+        self.flash_attn_func = flash_attn_func
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs):
+        if attn.spatial_norm is not None or attn.group_norm is not None or hidden_states.ndim != 3:
+            raise NotImplementedError("FlashAttnProcessor handles token attention only (PixArt, DiT)")
+        residual = hidden_states
+        b = hidden_states.shape[0]
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if encoder_hidden_states is not None and attn.norm_cross:
+            context = attn.norm_encoder_hidden_states(context)
+        query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        head_dim = key.shape[-1] // attn.heads
+        # flash-attn's layout is [B, N, heads, head_dim]; SDPA's is [B, heads, N, head_dim].
+        query, key, value = (t.view(b, -1, attn.heads, head_dim) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query.transpose(1, 2)).transpose(1, 2)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key.transpose(1, 2)).transpose(1, 2)
+        if attention_mask is None:
+            with torch.profiler.record_function(self.RECORD):
+                out = self.flash_attn_func(query, key, value, dropout_p=0.0, causal=False)
+        else:
+            mask = attn.prepare_attention_mask(attention_mask, context.shape[1], b)
+            mask = mask.view(b, attn.heads, -1, mask.shape[-1])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+            ).transpose(1, 2)
+        out = attn.to_out[1](attn.to_out[0](out.reshape(b, -1, attn.heads * head_dim).to(query.dtype)))
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+def use_flash_attn(transformer: torch.nn.Module, flash_attn_func: Callable | None = None) -> None:
+    transformer.set_attn_processor(FlashAttnProcessor(flash_attn_func))
+
+
+# ---- torch.compile ------------------------------------------------------------------------------
+
+
+def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dynamic: bool) -> None:
+    """Compile in place with inductor; inductor's own CUDA graphs stay off, ours capture the
+    compiled kernels. `dynamic`: one compilation with symbolic batch and token counts serves every
+    (resolution, bucket) (a few recompiles where diffusers branches on a size); else one per shape.
+    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager."""
+    if mode not in COMPILE_MODES:
+        raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
+    import torch._dynamo.config as dynamo_config
+
+    limit = max(dynamo_config.recompile_limit, shapes + 2)
+    dynamo_config.recompile_limit = limit
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
+    transformer.compile(mode=mode, dynamic=dynamic, fullgraph=True)
+    log.info("kernels: transformer compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
+             mode, "dynamic" if dynamic else "static")
+
+
+@contextmanager
+def timed(into: dict, key: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[key] = into.get(key, 0.0) + time.perf_counter() - start
+
+
+# ---- float8 -------------------------------------------------------------------------------------
+
+
+def quantize_fp8(transformer: torch.nn.Module) -> int:
+    """Float8 weights and dynamically scaled float8 activations for the transformer's linear layers
+    (torchao); -> layers converted. CUDA with sm89+ only."""
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("kernels.fp8=true needs the torchao package (pip install torchao); it is not installed")
+    if transformer.device.type != "cuda" or torch.cuda.get_device_capability(transformer.device) < (8, 9):
+        raise UserError("kernels.fp8=true needs a CUDA GPU with float8 tensor cores (sm89+: Ada, Hopper, Blackwell)")
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    before = sum(isinstance(m, torch.nn.Linear) for m in transformer.modules())
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return before
+
+
+# ---- all of it, in order ------------------------------------------------------------------------
+
+
+def apply_kernels(attention: str, compile_: bool, compile_mode: str, fp8: bool, adapter,
+                  probe_size: tuple[int, int] | None, shapes: int, dynamic: bool = True) -> dict:
+    """Set the transformer's kernels (attention, then fp8, then compile) and observe which attention
+    backend serves its calls (one eager CFG forward, 1 row, at `probe_size`) -> stats.json's `kernels`."""
+    from bcg.buffers import StaticInputs
+
+    check_attention(attention, adapter.family)
+    if attention == "flash_attn":
+        use_flash_attn(adapter.transformer)
+    report: dict = {"attention": attention, "compile": compile_, "fp8": fp8}
+    if probe_size is not None:
+        inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
+        try:
+            with torch.no_grad():
+                calls = probe_attention(lambda: with_attention(adapter.guided_eps, attention, adapter.device.type)(inputs))
+        except torch.OutOfMemoryError:
+            calls = {"not observed": "out of memory in the probe"}
+            log.warning("kernels: the attention probe ran out of memory; which backend serves attention is not known")
+        report["attention_calls_per_forward"] = calls
+        log.info("kernels: attention=%s; attention calls per CFG forward by backend: %s", attention, calls)
+    if fp8:
+        report["fp8_linear_layers"] = quantize_fp8(adapter.transformer)
+        log.info("kernels: %d linear layers in float8 (torchao)", report["fp8_linear_layers"])
+    if compile_:
+        report.update(compile_mode=compile_mode, compile_dynamic=dynamic)
+        compile_transformer(adapter.transformer, compile_mode, shapes, dynamic)
+    return report

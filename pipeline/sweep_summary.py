@@ -1,0 +1,211 @@
+"""One summary for a whole sweep: a row per job, from each job directory's stats.json and the
+overrides Hydra saved next to it, written as summary.md, summary.csv and summary.png.
+
+The SweepSummary callback writes it at the end of a multirun. By hand (say, after a sweep that
+stopped at a failed job):
+
+    python -m pipeline.sweep_summary outputs/multirun/2026-01-01/12-00-00
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.fsutil import atomic_write_bytes, atomic_write_text
+from pipeline.merge import STATS
+
+OVERRIDES = Path(".hydra") / "overrides.yaml"
+FILES = {"md": "summary.md", "csv": "summary.csv", "png": "summary.png"}
+# Keys left out of a job's label: the overlay is the same for every job, the paths say nothing.
+UNLABELLED = ("job", "manifest.path", "output.dir")
+FIELDS = (
+    "best", "job", "status", "ladder", "scope", "images_ok", "images_per_s", "generate_s", "wall_s",
+    "padded_rows", "graph_pool_mib", "capture_s", "gpu_busy",
+)  # then one `<stage>_s` column per stage in stats["stage_s"], then `note`
+MIB = 2**20
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job directory under `sweep_dir` (a directory holding `.hydra/overrides.yaml`;
+    Hydra nests it when an override has a `/`, as `bcg/ladder=...` does). A job without a readable
+    stats.json is a row with status "failed"; a key missing from stats.json is a None cell."""
+    job_dirs = sorted(p.parent.parent for p in Path(sweep_dir).rglob(str(OVERRIDES)))
+    labels = job_labels(sweep_dir, job_dirs)
+    rows = []
+    for job_dir in job_dirs:
+        stats, note = read_stats(job_dir / STATS)
+        row = stats_row(stats) if stats is not None else dict.fromkeys(FIELDS)
+        row.update(job=labels[job_dir], status="ok" if stats is not None else "failed", note=note)
+        rows.append(row)
+    return rows
+
+
+def read_stats(path: Path) -> tuple[dict | None, str]:
+    if not path.exists():
+        return None, f"no {STATS}"
+    try:
+        stats = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return None, f"{STATS} unreadable: {err}"
+    if not isinstance(stats, dict):
+        return None, f"{STATS} is not a JSON object"
+    return stats, ""
+
+
+def stats_row(stats: dict) -> dict[str, Any]:
+    """The summary's cells from one job's stats.json: None where a key is missing."""
+    bcg = stats.get("bcg") or {}
+    pool = bcg.get("pool_bytes", bcg.get("pool_bytes_max"))  # a merged sharded run has only the max
+    ladder = stats.get("ladder")
+    row = {
+        "best": None,
+        "ladder": ",".join(str(b) for b in ladder) if isinstance(ladder, list) else ladder,
+        "scope": stats.get("scope"),
+        "images_ok": (stats.get("images") or {}).get("ok"),
+        "images_per_s": stats.get("images_per_s"),
+        "generate_s": stats.get("generate_s"),
+        "wall_s": stats.get("wall_s"),
+        "padded_rows": stats.get("padded_rows"),
+        "graph_pool_mib": round(pool / MIB, 2) if isinstance(pool, (int, float)) else None,
+        "capture_s": bcg.get("capture_s"),
+        "gpu_busy": busy_fraction(stats.get("gpu_busy")),
+    }
+    row.update({f"{stage}_s": s for stage, s in (stats.get("stage_s") or {}).items()})
+    return row
+
+
+def busy_fraction(gpu_busy: Any) -> float | None:
+    """stats["gpu_busy"] is {"fraction": ..., ...} (None off CUDA); a bare number is taken as is."""
+    if isinstance(gpu_busy, dict):
+        gpu_busy = gpu_busy.get("fraction")
+    return gpu_busy if isinstance(gpu_busy, (int, float)) else None
+
+
+def job_labels(sweep_dir: Path, job_dirs: list[Path]) -> dict[Path, str]:
+    """Each job's overrides, space-separated, without the UNLABELLED keys and, with several jobs,
+    without those every job shares: what tells the jobs apart ("bcg/ladder=pow2_8"). A job with
+    nothing left is named by its directory."""
+    overrides = {d: [o for o in read_overrides(d) if override_key(o) not in UNLABELLED] for d in job_dirs}
+    shared = set.intersection(*(set(o) for o in overrides.values())) if len(job_dirs) > 1 else set()
+    return {
+        d: " ".join(o for o in overrides[d] if o not in shared) or d.relative_to(sweep_dir).as_posix()
+        for d in job_dirs
+    }
+
+
+def read_overrides(job_dir: Path) -> list[str]:
+    try:
+        overrides = yaml.safe_load((job_dir / OVERRIDES).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o) for o in overrides] if isinstance(overrides, list) else []
+
+
+def override_key(override: str) -> str:
+    """`+job=demo` -> `job`, `~bcg.lazy` -> `bcg.lazy`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fastest first (jobs without images/s last, in their own order); the fastest marked best."""
+    speed = [r for r in rows if isinstance(r.get("images_per_s"), (int, float))]
+    rest = [r for r in rows if not isinstance(r.get("images_per_s"), (int, float))]
+    out = [dict(r, best="") for r in sorted(speed, key=lambda r: -r["images_per_s"]) + rest]
+    if speed:
+        out[0]["best"] = "best"
+    return out
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    extra = [k for r in rows for k in r if k not in FIELDS and k != "note"]
+    return [*FIELDS, *dict.fromkeys(extra), "note"]
+
+
+def cell(value: Any) -> str:
+    """For the Markdown table: 4 significant digits, no exponent for large values."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def to_markdown(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(r.get(c)).replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    """Numbers exactly as in stats.json (no rounding), empty cells for missing keys."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({c: "" if r.get(c) is None else json.dumps(r[c]) if isinstance(r[c], (dict, list)) else r[c]
+                         for c in cols})
+    return buf.getvalue()
+
+
+def to_png(rows: list[dict[str, Any]]) -> bytes:
+    """Two panels of horizontal bars, one per job: images/s and graph memory (MiB)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg without touching pyplot's global backend
+    from matplotlib.figure import Figure
+
+    labels = [r["job"] for r in rows]
+    fig = Figure(figsize=(12, 1.5 + 0.45 * len(rows)), layout="constrained")
+    FigureCanvasAgg(fig)
+    panels = fig.subplots(1, 2, sharey=True)
+    for ax, key, title in zip(panels, ("images_per_s", "graph_pool_mib"), ("images/s", "graph memory (MiB)")):
+        values = [r.get(key) if isinstance(r.get(key), (int, float)) else None for r in rows]
+        colors = ["tab:orange" if r.get("best") else "tab:blue" for r in rows]
+        widths = [v or 0 for v in values]
+        bars = ax.barh(range(len(rows)), widths, color=colors)
+        ax.bar_label(bars, labels=["n/a" if v is None else cell(float(v)) for v in values], padding=3)
+        ax.set_title(title)
+        ax.set_xlim(0, max(widths, default=0) * 1.2 or 1)  # room for the labels; an all-zero panel (no graphs) still has an axis
+    panels[0].set_yticks(range(len(rows)), labels)
+    panels[0].invert_yaxis()  # fastest on top, as in the table
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def write_summary(rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
+    """Write summary.md, summary.csv and summary.png into `out_dir` (each complete or absent);
+    returns their paths by kind ("md", "csv", "png")."""
+    rows = ranked(rows)
+    cols = columns(rows)
+    paths = {kind: Path(out_dir) / name for kind, name in FILES.items()}
+    atomic_write_text(paths["md"], to_markdown(rows, cols))
+    atomic_write_text(paths["csv"], to_csv(rows, cols))
+    atomic_write_bytes(paths["png"], to_png(rows))
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python -m pipeline.sweep_summary SWEEP_DIR", file=sys.stderr)
+        return 2
+    rows = collect(Path(argv[0]))
+    if not rows:
+        print(f"{argv[0]}: no job directories (none holds {OVERRIDES})", file=sys.stderr)
+        return 1
+    paths = write_summary(rows, Path(argv[0]))
+    print(paths["md"].read_text(), end="")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,89 @@
+"""Kernel choices (pipeline.kernels) on the CPU: the attention backend is applied and reported as
+observed, flash-attn's processor computes what diffusers' does, missing pieces are named, and a
+change of kernels is a change of settings for resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import cpu_job, model_config, rows, write_manifest
+from bcg.buffers import StaticInputs
+from pipeline.errors import UserError
+from pipeline.job import run
+from pipeline.kernels import FLASH_ATTN_OP, apply_kernels, check_attention, probe_attention, use_flash_attn, with_attention
+from pipeline.models import build_model
+from pipeline.resume import ResumeConflict
+
+LAYERS = 2  # conf/model/tiny.yaml: every layer has one self- and one cross-attention
+
+
+@pytest.fixture()
+def tiny():
+    return build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+
+
+def inputs(adapter, side=64, n=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = StaticInputs.allocate(adapter.input_specs(side, side), n, torch.device("cpu")).view(n)
+    x["x"].copy_(torch.randn(x["x"].shape, generator=gen))
+    x["emb"].copy_(torch.randn(x["emb"].shape, generator=gen))
+    x["t"].fill_(500.0)
+    x["g"].fill_(4.5)
+    return x
+
+
+def test_chosen_sdpa_backend_serves_the_attention_calls(tiny):
+    x = inputs(tiny)
+    calls = probe_attention(lambda: with_attention(tiny.guided_eps, "math", "cpu")(x))
+    assert calls == {"math": 2 * LAYERS}
+    default = probe_attention(lambda: tiny.guided_eps(x))
+    assert sum(default.values()) == 2 * LAYERS and "math" not in default  # PyTorch's own choice on CPU is not math
+
+
+def test_flash_attn_processor_computes_what_diffusers_does(tiny):
+    x = inputs(tiny)
+    with torch.no_grad():
+        reference = tiny.guided_eps(x)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, causal=False):  # flash-attn's layout: [B, N, heads, dim]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # plain attention, not SDPA (the probe counts SDPA)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return (weights @ v).transpose(1, 2)
+
+    use_flash_attn(tiny.transformer, flash_attn_func)
+    with torch.no_grad():
+        calls = probe_attention(lambda: tiny.guided_eps(x))
+        out = tiny.guided_eps(x)
+    assert calls[FLASH_ATTN_OP] == LAYERS  # self-attention; the masked cross-attention stays on SDPA
+    assert sum(calls.values()) == 2 * LAYERS
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_flash_attn_is_named_with_its_extra():
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(UserError, match=r"flash-attn.*\[flash\]"):
+        check_attention("flash_attn", "pixart")
+    with pytest.raises(UserError, match="kernels.attention='fast'"):
+        check_attention("fast", "pixart")
+
+
+def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
+    with pytest.raises(UserError, match="fp8"):
+        apply_kernels("auto", False, "default", True, tiny, None, shapes=1)
+
+
+def test_job_reports_the_attention_backend_and_kernels_are_settings(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
+    report = run(cpu_job(manifest, tmp_path / "out", "kernels.attention=math"))
+    assert report["kernels"]["attention"] == "math"
+    assert report["kernels"]["attention_calls_per_forward"] == {"math": 2 * LAYERS}
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["kernels"]["attention_calls_per_forward"] == {"math": 2 * LAYERS}
+    with pytest.raises(ResumeConflict):  # other kernels, other images: not the same job
+        run(cpu_job(manifest, tmp_path / "out", "kernels.attention=auto"))

@@ -1,0 +1,106 @@
+"""Issue 8 on the GPU: compiled kernels under our capture, the attention backend, the asynchronous
+job loop and the auto ladder (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bcg.buckets import pick_bucket
+from bcg.buffers import pad_rows
+from bcg.engine import BCGEngine
+from conftest import cpu_job, model_config, png
+from jobs.make_demo_manifest import demo_table
+from pipeline.job import run
+from pipeline.kernels import apply_kernels
+from pipeline.models import build_model
+from pipeline.precision import apply_precision
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+GPU = ("runtime.device=cuda", "precision=bf16")
+# bf16, tiny demo: compiled (fused, reordered) kernels against eager ones; measured, docs/BENCHMARKS.md
+COMPILED_VS_EAGER_MAX_LEVELS = 16
+
+
+def random_inputs(adapter, key, n, seed=0):
+    gen = torch.Generator("cuda").manual_seed(seed)
+    out = {}
+    for name, spec in adapter.input_specs(*key).items():
+        if spec.dtype.is_floating_point:
+            out[name] = torch.randn((n, *spec.shape), generator=gen, device="cuda").to(spec.dtype)
+        else:
+            out[name] = torch.full((n, *spec.shape), int(spec.fill), dtype=spec.dtype, device="cuda")
+    out["t"] = torch.full((n,), 500.0, device="cuda")
+    out["g"] = torch.full((n,), 4.5, device="cuda")
+    return out
+
+
+@pytest.fixture()
+def demo(tmp_path):
+    path = tmp_path / "demo.parquet"
+    pq.write_table(demo_table(), path)
+    return path
+
+
+def test_compiled_transformer_replays_bit_identical_to_the_compiled_eager_path():
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    adapter = build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16)
+    report = apply_kernels("cudnn", True, "default", False, adapter, (64, 64), shapes=8, dynamic=True)
+    assert report["compile"] and sum(report["attention_calls_per_forward"].values()) == 4
+    ladder, key = [1, 2, 4], (64, 64)
+    specs = lambda k: adapter.input_specs(*k)  # noqa: E731
+    engine = BCGEngine(adapter.guided_eps, specs, ladder, "cuda")
+    engine.capture_all([key])
+    assert engine.metrics.first_pass_s > 0
+    for n in (1, 2, 3, 4):
+        x = random_inputs(adapter, key, n, seed=n)
+        with torch.no_grad():
+            compiled_eager = adapter.guided_eps(pad_rows(specs(key), x, n, pick_bucket(ladder, n)))[:n]
+        assert torch.equal(engine.run(key, x, n), compiled_eager), n
+    engine.close()
+
+
+def test_attention_backend_is_applied_and_reported(tmp_path, demo):
+    report = run(cpu_job(demo, tmp_path / "cudnn", *GPU, "kernels.attention=cudnn"))
+    calls = report["kernels"]["attention_calls_per_forward"]
+    assert calls.get("cudnn", 0) > 0, calls
+    report = run(cpu_job(demo, tmp_path / "efficient", *GPU, "kernels.attention=efficient"))
+    assert set(report["kernels"]["attention_calls_per_forward"]) == {"efficient"}
+
+
+def test_fast_kernels_job_matches_eager_kernels_within_tolerance(tmp_path, demo):
+    import numpy as np
+
+    fast = run(cpu_job(demo, tmp_path / "fast", *GPU, "kernels=fast"))
+    plain = run(cpu_job(demo, tmp_path / "plain", *GPU))
+    assert fast["images"]["ok"] == plain["images"]["ok"] == 12 and fast["bcg"]["misses"] == 0
+    assert fast["kernels"]["compile"] and fast["kernels"]["first_pass_s"] > 0
+    diffs = [np.abs(png(p).astype(int) - png(tmp_path / "plain" / "images" / p.name).astype(int))
+             for p in (tmp_path / "fast" / "images").iterdir()]
+    worst, mean = max(d.max() for d in diffs), float(np.mean([d.mean() for d in diffs]))
+    print(f"kernels=fast vs default, bf16 tiny demo: max {worst} levels, mean {mean:.4f}")
+    assert worst <= COMPILED_VS_EAGER_MAX_LEVELS
+
+
+def test_host_running_ahead_changes_no_byte_and_busy_is_reported(tmp_path, demo):
+    reports = {d: run(cpu_job(demo, tmp_path / str(d), *GPU, f"runtime.inflight_batches={d}")) for d in (1, 3)}
+    for image in (tmp_path / "1" / "images").iterdir():
+        assert image.read_bytes() == (tmp_path / "3" / "images" / image.name).read_bytes(), image.name
+    for report in reports.values():
+        busy = report["gpu_busy"]
+        assert 0 < busy["fraction"] <= 1 and busy["batches"] == report["batches"]
+    print({d: r["gpu_busy"]["fraction"] for d, r in reports.items()})
+
+
+def test_auto_ladder_on_the_gpu_calibrates_graphs_and_predicts(tmp_path, demo):
+    report = run(cpu_job(demo, tmp_path / "auto", *GPU, "bcg.ladder=auto", "bcg.auto_sizes=[1,2,4,8]"))
+    auto = report["ladder_auto"]
+    assert report["ladder"] == auto["chosen"] and report["bcg"]["misses"] == 0
+    assert report["bcg"]["graphs_captured"] == 3 * len(auto["chosen"])
+    assert all(o["pool_mib"] > 0 for o in auto["options"])
+    saved = json.loads((tmp_path / "auto" / "ladder.json").read_text())
+    assert saved["ladder"] == auto["chosen"]
+    print(f"auto ladder {auto['chosen']}: predicted {auto['predicted_denoise_s']} s, measured {auto['measured_denoise_s']} s")

@@ -1,0 +1,144 @@
+"""The sweep summary: rows from job directories, the three files, and the callback at the end of a
+real CPU multirun."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+from PIL import Image
+
+from conftest import rows, run_cli, write_manifest
+from pipeline.callbacks import SweepSummary
+from pipeline.sweep_summary import FILES, collect, write_summary
+
+COMMON = ["+job=dataset", "manifest.path=/data/p.parquet", "precision=fp32"]
+
+
+def full_stats(ladder: list[int], images_per_s: float, pool_bytes: int) -> dict:
+    """The keys the summary reads, shaped as pipeline.job writes them (values made up)."""
+    return {
+        "images": {"planned": 12, "ok": 12, "failed": 0, "skipped": 0, "invalid": 0},
+        "padded_rows": 3, "wall_s": 4.25, "generate_s": 2.5, "images_per_s": images_per_s,
+        "stage_s": {"encode": 0.125, "noise": 0.01, "denoise": 1.75, "decode": 0.5},
+        "ladder": ladder, "scope": "forward",
+        "bcg": {"active": True, "pool_bytes": pool_bytes, "capture_s": 0.75, "graphs_captured": 8},
+        "gpu_busy": {"fraction": 0.93, "generate_s": 2.5, "batches": 5},
+    }
+
+
+def make_job(sweep: Path, subdir: str, overrides: list[str], stats: dict | None) -> Path:
+    """A job directory as Hydra and pipeline.job leave it ('/' in an override nests the directory)."""
+    job = sweep / subdir
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if stats is not None:
+        (job / "stats.json").write_text(json.dumps(stats))
+    return job
+
+
+@pytest.fixture
+def sweep(tmp_path) -> Path:
+    s = tmp_path / "sweep"
+    make_job(s, "0_+job=dataset,bcg/ladder=pow2_8", [*COMMON, "bcg/ladder=pow2_8"], full_stats([1, 2, 4, 8], 31.5, 3 * 2**20))
+    make_job(s, "1_+job=dataset,bcg/ladder=pow2_16", [*COMMON, "bcg/ladder=pow2_16"], full_stats([1, 2, 4, 8, 16], 40.25, 5 * 2**20))
+    make_job(s, "2_+job=dataset,bcg/ladder=one_8", [*COMMON, "bcg/ladder=one_8"], None)  # failed before stats.json
+    make_job(s, "3_+job=dataset,bcg.enabled=false", [*COMMON, "bcg.enabled=false"],
+             {"images": {"ok": 12}, "images_per_s": 12.0, "ladder": [1, 2, 4, 8]})  # an older stats.json: few keys
+    return s
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_collect_labels_each_job_by_what_sets_it_apart(sweep):
+    by_job = {r["job"]: r for r in collect(sweep)}
+    assert sorted(by_job) == ["bcg.enabled=false", "bcg/ladder=one_8", "bcg/ladder=pow2_16", "bcg/ladder=pow2_8"]
+    assert by_job["bcg/ladder=one_8"]["status"] == "failed" and by_job["bcg/ladder=one_8"]["note"] == "no stats.json"
+    sparse = by_job["bcg.enabled=false"]
+    assert sparse["status"] == "ok" and sparse["graph_pool_mib"] is None and sparse["gpu_busy"] is None
+    assert by_job["bcg/ladder=pow2_8"]["graph_pool_mib"] == 3.0 and by_job["bcg/ladder=pow2_8"]["denoise_s"] == 1.75
+
+
+def test_a_single_job_keeps_its_overrides_and_a_job_without_any_its_directory(tmp_path):
+    make_job(tmp_path / "a", "0_x", [*COMMON, "sampler.steps=4"], full_stats([1], 1.0, 0))
+    assert [r["job"] for r in collect(tmp_path / "a")] == ["precision=fp32 sampler.steps=4"]
+    make_job(tmp_path / "b", "0_x", ["+job=demo"], full_stats([1], 1.0, 0))
+    assert [r["job"] for r in collect(tmp_path / "b")] == ["0_x"]
+
+
+def test_csv_holds_the_numbers_of_each_stats_json_fastest_first(sweep):
+    paths = write_summary(collect(sweep), sweep)
+    assert paths == {kind: sweep / name for kind, name in FILES.items()}
+    table = read_csv(paths["csv"])
+    assert [r["job"] for r in table] == ["bcg/ladder=pow2_16", "bcg/ladder=pow2_8", "bcg.enabled=false", "bcg/ladder=one_8"]
+    assert [r["best"] for r in table] == ["best", "", "", ""]
+    for r in table[:3]:
+        stats = json.loads((next(sweep.glob(f"*{r['job']}")) / "stats.json").read_text())
+        assert float(r["images_per_s"]) == stats["images_per_s"]
+        assert int(r["images_ok"]) == stats["images"]["ok"]
+        assert r["ladder"] == ",".join(map(str, stats["ladder"]))
+        assert r["scope"] == stats.get("scope", "")
+        for key in ("generate_s", "wall_s", "padded_rows"):
+            assert (float(r[key]) if r[key] else None) == stats.get(key)
+        assert (float(r["gpu_busy"]) if r["gpu_busy"] else None) == stats.get("gpu_busy", {}).get("fraction")
+        for stage, seconds in stats.get("stage_s", {}).items():
+            assert float(r[f"{stage}_s"]) == seconds
+        bcg = stats.get("bcg", {})
+        assert (float(r["capture_s"]) if r["capture_s"] else None) == bcg.get("capture_s")
+        pool = bcg.get("pool_bytes")
+        assert (float(r["graph_pool_mib"]) if r["graph_pool_mib"] else None) == (pool and round(pool / 2**20, 2))
+    failed = table[3]
+    assert failed["status"] == "failed" and failed["note"] == "no stats.json" and failed["images_per_s"] == ""
+
+
+def test_markdown_table_has_the_csv_rows_and_the_png_is_an_image(sweep):
+    paths = write_summary(collect(sweep), sweep)
+    lines = paths["md"].read_text().splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == list(read_csv(paths["csv"])[0])
+    assert set(lines[1].strip("|").split("|")) == {"---"} and len(lines) == 2 + 4
+    assert "| best | bcg/ladder=pow2_16 | ok |" in lines[2]
+    with Image.open(paths["png"]) as image:
+        image.verify()
+        assert image.format == "PNG" and image.width >= 600 and image.height >= 150
+    assert not list(sweep.glob(".tmp-*"))
+
+
+def test_callback_skips_a_sharded_multirun_and_a_sweep_without_stats(tmp_path):
+    sweep = tmp_path / "sweep"
+    make_job(sweep, "0_shard.index=0", ["shard.index=0"], full_stats([1], 1.0, 0))
+    sharded = OmegaConf.create({"shard": {"count": 2}, "output": {"dir": str(tmp_path / "ds")},
+                                "hydra": {"sweep": {"dir": str(sweep)}}})
+    SweepSummary().on_multirun_end(sharded)
+    assert not list(sweep.glob("summary.*"))
+    empty = tmp_path / "empty"
+    make_job(empty, "0_x", ["bcg/ladder=one_8"], None)
+    SweepSummary().on_multirun_end(OmegaConf.create({"shard": {"count": 1}, "output": {"dir": "${oc.env:HOME}"},
+                                                     "hydra": {"sweep": {"dir": str(empty)}}}))
+    assert not list(empty.glob("summary.*"))
+
+
+@pytest.mark.slow
+def test_cli_multirun_over_two_ladders_ends_with_one_summary(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"i{k}", 64, 64, k) for k in range(3)]))
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        "-m", "+job=dataset", f"manifest.path={manifest}", "bcg/ladder=pow2_8,one_8", "precision=fp32",
+        "sampler.steps=2", "runtime.device=cpu", "runtime.progress=false", f"hydra.sweep.dir={sweep}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all((sweep / name).is_file() for name in FILES.values())
+    table = read_csv(sweep / "summary.csv")
+    assert sorted(r["job"] for r in table) == ["bcg/ladder=one_8", "bcg/ladder=pow2_8"]
+    for r in table:
+        stats = json.loads(next(sweep.glob(f"*{r['job']}*/stats.json")).read_text())
+        assert r["status"] == "ok" and float(r["images_per_s"]) == stats["images_per_s"]
+    log = proc.stdout + proc.stderr
+    assert str(sweep / "summary.png") in log and "| best | " in log
