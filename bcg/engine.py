@@ -176,7 +176,8 @@ class BCGEngine:
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the writer thread may wait on events while a lazy capture runs here
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = self.fn(self.static[key].view(bucket))
         except torch.OutOfMemoryError:
             torch.cuda.synchronize(self.device)

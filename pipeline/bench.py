@@ -22,13 +22,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, check_choices
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
-from pipeline.manifest import read_manifest
-from pipeline.models import build_model, check_items, model_limits, to_diffusers
+from pipeline.kernels import check_kernels
+from pipeline.models import build_model, to_diffusers
 from pipeline.precision import DTYPES, apply_precision, resolve_device
-from pipeline.writer import IMAGES_DIR
+from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,20 @@ TEXT_FAMILIES = ("pixart", "sd3")
 
 
 def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
-    from pipeline.job import run
+    from pipeline.job import read_valid_manifest, run
 
+    # What the job would refuse, refused before the baseline spends its minutes.
+    check_choices(cfg)
+    items, _, _ = read_valid_manifest(cfg)
+    check_kernels(cfg.kernels)
+    out_dir = Path(cfg.output.dir)
+    if any((out_dir / SHARDS_DIR).glob("*.parquet")):
+        raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches, which our "
+                        "job would skip and the comparison would not count")
     device = resolve_device(cfg.runtime.device, 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
-    granularity, max_side = model_limits(cfg.model)
-    items, bad = check_items(cfg.model, *read_manifest(cfg.manifest.path, granularity, max_side))
     adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
     if adapter.family not in TEXT_FAMILIES:
         raise UserError(f"bench.baseline=true supports the text-to-image families {list(TEXT_FAMILIES)}, not {adapter.family!r}")
@@ -54,7 +60,6 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     report = run(cfg, resolved_config, adapter=adapter)
     ours_s = time.perf_counter() - start
 
-    out_dir = Path(cfg.output.dir)
     ok = report["images"]["ok"]
     stats_bcg = report["bcg"]
     result = {
@@ -76,7 +81,7 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
             "ladder": report["ladder"],
             "scope": report["scope"],
         },
-        "speedup_end_to_end": round(baseline["seconds"] / ours_s, 3),
+        "speedup_end_to_end": round(baseline["seconds"] / ours_s * ok / baseline["images"], 3),
         "speedup_generate": round(report["images_per_s"] / baseline["images_per_s"], 3) if report["images_per_s"] else None,
         "vs_baseline_pixels": compare_images(out_dir, reference),
     }
@@ -129,14 +134,18 @@ def compare_images(out_dir: Path, reference: dict[str, np.ndarray]) -> dict:
             "mean": round(float(np.mean([d.mean() for d in diffs])), 4)}
 
 
+def _x(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def table(result: dict) -> str:
     b, o = result["baseline"], result["ours"]
     lines = [
         "| system | images | seconds | images/s | vs diffusers |",
         "|---|---|---|---|---|",
         f"| diffusers {b['pipeline']} (batches of {b['batch']}) | {b['images']} | {b['seconds']:.1f} | {b['images_per_s']:.3f} | 1.00x |",
-        f"| ours, end to end (encode, warm-up, capture, generate, write) | {o['images']} | {o['end_to_end_s']:.1f} | {o['images_per_s']:.3f} | {result['speedup_end_to_end']:.2f}x |",
-        f"| ours, generate phase | {o['images']} | {o['generate_s']:.1f} | {o['generate_images_per_s']:.3f} | {result['speedup_generate']:.2f}x |",
+        f"| ours, end to end (encode, warm-up, capture, generate, write) | {o['images']} | {o['end_to_end_s']:.1f} | {o['images_per_s']:.3f} | {_x(result['speedup_end_to_end'], '.2f')}x |",
+        f"| ours, generate phase | {o['images']} | {o['generate_s']:.1f} | {_x(o['generate_images_per_s'], '.3f')} | {_x(result['speedup_generate'], '.2f')}x |",
         "",
         f"ladder {o['ladder']}, scope {o['scope']}, kernels {o['kernels']}",
         f"stage seconds {o['stage_s']}; padded-row share {o['padded_row_share']:.1%}; graph pool {o['graph_pool_mib']} MiB; "

@@ -120,8 +120,8 @@ class RuntimeConfig:
     progress: bool = True
     # Prompts encoded per text-encoder call.
     encode_batch_size: int = 64
-    # Batches queued on the device ahead of the one the writer waits for (the host runs ahead by
-    # this many; 1 = no overlap of host work with the device).
+    # Batches the device may still be working on when the host queues the next one (0: the host
+    # waits for each batch before it prepares the next, nothing overlaps).
     inflight_batches: int = 2
 
 
@@ -168,6 +168,20 @@ ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "flash_attn")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
+def check_auto_sizes(sizes) -> None:
+    """bcg.auto_sizes, checked before any calibration: batch sizes for at most 8 ladders' worth."""
+    from bcg.autoladder import MAX_SIZES
+    from bcg.buckets import parse_ladder
+    from bcg.errors import BCGConfigError
+
+    try:
+        sizes = parse_ladder(list(sizes))
+    except BCGConfigError as err:
+        raise UserError(f"bcg.auto_sizes={list(sizes)}: {err}") from err
+    if len(sizes) > MAX_SIZES:
+        raise UserError(f"bcg.auto_sizes={list(sizes)}: at most {MAX_SIZES} sizes (every subset is a candidate ladder)")
+
+
 def check_choices(cfg: JobConfig) -> None:
     """Reject values outside the accepted sets, naming the key and the choices."""
     for key, value, accepted in (
@@ -192,7 +206,9 @@ def check_choices(cfg: JobConfig) -> None:
     ladder = cfg.bcg.ladder
     if ladder != "auto" and not (OmegaConf.is_list(ladder) or isinstance(ladder, list)):
         raise UserError(f"bcg.ladder={ladder!r} is not accepted; give a list of batch sizes, e.g. [1,2,4,8], or auto")
-    if cfg.runtime.inflight_batches < 1:
-        raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 1")
+    if ladder == "auto":
+        check_auto_sizes(cfg.bcg.auto_sizes)
+    if cfg.runtime.inflight_batches < 0:
+        raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
     if cfg.sampler.steps < 1:
         raise UserError(f"sampler.steps={cfg.sampler.steps} must be >= 1")

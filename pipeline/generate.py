@@ -22,6 +22,7 @@ from pipeline.noise import batch_noise
 from pipeline.planner import Batch
 from pipeline.prompts import PromptCache, negative_or_default
 from pipeline.stats import RunStats, StageTimer
+from pipeline.transfer import to_host
 from pipeline.writer import IMAGES_DIR, BatchResult
 
 log = logging.getLogger(__name__)
@@ -136,15 +137,6 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t`, queued (pinned memory, no wait) when `t` is on a CUDA device."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
 def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
     """Conditioning for CFG, each tensor [n, 2, ...]: index 0 the negative prompt ("" when the row has
     none, as diffusers), index 1 the prompt."""
@@ -170,10 +162,11 @@ def shard_row(item, batch: Batch, fields: dict, error: str | None, seconds: dict
 
 class Inflight:
     """Bounds how many submitted batches the device may still be working on: `admit` waits (on the
-    host, while the device stays busy with the others) for the oldest once `depth` are queued."""
+    host, while the device stays busy with the others) for the oldest while more than `depth` are
+    queued; depth 0 waits for every batch as soon as it is queued (no overlap at all)."""
 
     def __init__(self, depth: int):
-        self.depth = max(depth, 1)
+        self.depth = max(depth, 0)
         self._events: deque[torch.cuda.Event] = deque()
 
     def admit(self, pending: PendingBatch) -> None:
@@ -212,9 +205,15 @@ class GpuBusy:
             end.record()
             self.spans.append((self._begin, end))
 
-    def fraction(self, wall_s: float) -> float | None:
-        """Busy seconds / wall_s, once every span has completed (after the writer closed)."""
+    def report(self, wall_s: float) -> dict | None:
+        """Once every span has completed (after the writer closed): `fraction`, busy seconds over
+        `wall_s` (the generate phase, the writer's tail included), and `between_batches`, busy
+        seconds over the device's own span from the first batch to the last (gaps only)."""
         if not self.active or not self.spans or wall_s <= 0:
             return None
-        busy_ms = sum(b.elapsed_time(e) for b, e in self.spans)
-        return min(busy_ms / 1000 / wall_s, 1.0)
+        busy_s = sum(b.elapsed_time(e) for b, e in self.spans) / 1000
+        span_s = self.spans[0][0].elapsed_time(self.spans[-1][1]) / 1000
+        return {"fraction": round(min(busy_s / wall_s, 1.0), 4),
+                "between_batches": round(min(busy_s / span_s, 1.0), 4) if span_s > 0 else None,
+                "busy_s": round(busy_s, 4), "device_span_s": round(span_s, 4), "generate_s": round(wall_s, 4),
+                "batches": len(self.spans)}

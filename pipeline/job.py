@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,13 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from bcg.engine import BCGEngine
-from pipeline.calibrate import AUTO, auto_ladder, save_choice, saved_ladder
+from pipeline.calibrate import AUTO, auto_ladder, fingerprint, load_choice, save_choice
 from pipeline.config import JobConfig, check_choices
 from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
-from pipeline.kernels import apply_kernels, with_attention
+from pipeline.kernels import apply_kernels, output_kernels, with_attention
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
@@ -61,37 +62,30 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     out_dir = Path(cfg.output.dir)
 
     # 2. Read and validate the manifest against the model's limits (no weights needed for that).
-    granularity, max_side = model_limits(cfg.model)
-    items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
-    items, bad = check_items(cfg.model, items, bad)  # the family's own row checks (DiT class names)
+    items, bad, extras = read_valid_manifest(cfg)
     stats.invalid = len(bad)
-    extras = extra_schema(cfg.manifest.path)
-    if reserved_columns(extras):
-        raise ManifestError(
-            f"manifest {cfg.manifest.path}: column(s) {reserved_columns(extras)} would overwrite output metadata "
-            "of the same name; rename them"
-        )
-    if bad and cfg.manifest.on_invalid == "error":
-        raise ManifestError(
-            format_bad_rows(bad, source=str(cfg.manifest.path))
-            + "\nNothing was generated. Fix these rows, or pass manifest.on_invalid=skip to generate the rest."
-        )
 
     # 3. Plan the whole job (every shard computes the same plan), then take this shard's slice.
     # bcg.ladder=auto plans once the model is there (step 4b), unless an earlier run of this job chose.
-    ladder = cfg.bcg.ladder
-    if ladder == AUTO and saved_ladder(out_dir) is not None:
-        ladder = saved_ladder(out_dir)
-        log.info("bcg.ladder=auto: reusing the ladder %s chosen by the first run of this job (%s)", ladder, out_dir)
-    elif ladder == AUTO and shard.count > 1:
-        raise UserError(
-            "bcg.ladder=auto with shard.count > 1: every shard must plan with the same ladder, so choose it once "
-            "(run the job with one shard, or read bcg.ladder_auto in a calibration run's stats.json) and pass it "
-            "as bcg.ladder=[...]"
-        )
+    ladder, costs, auto_print = cfg.bcg.ladder, None, None
+    counts = dict(Counter((it.height, it.width) for it in items))
+    if ladder == AUTO and not items:
+        ladder = list(cfg.bcg.auto_sizes)  # nothing to calibrate for, nothing to plan
+    elif ladder == AUTO:
+        auto_print = fingerprint(counts, cfg.bcg.auto_sizes, cfg.bcg.pool_limit_gib, settings_digest(cfg, precision))
+        saved = load_choice(out_dir, auto_print)
+        if saved is not None:
+            ladder, costs = saved.ladder, saved.costs
+            log.info("bcg.ladder=auto: reusing the ladder %s chosen by the first run of this job (%s)", ladder, out_dir)
+        elif shard.count > 1:
+            raise UserError(
+                "bcg.ladder=auto with shard.count > 1: every shard must plan with the same ladder, so choose it "
+                "once (run the job with one shard, or read bcg.ladder_auto in a calibration run's stats.json) and "
+                "pass it as bcg.ladder=[...]"
+            )
     plan = mine = None
     if ladder != AUTO:
-        plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard)
+        plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs)
 
     with JobLock(out_dir, shard.name), StopSignals() as stop:
         if bad:
@@ -114,13 +108,13 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
         auto = None
         if plan is None:
             fn = with_attention(adapter.guided_eps, k.attention, device.type)
-            counts = {r: sum(1 for it in items if (it.height, it.width) == r) for r in resolutions}
-            choice, auto = auto_ladder(fn, lambda key: adapter.input_specs(*key), counts, list(cfg.bcg.auto_sizes),
-                                       cfg.sampler.steps, device, cfg.bcg.warmup, cfg.bcg.enabled and device.type == "cuda",
-                                       cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin)
+            choice, costs, auto = auto_ladder(
+                fn, lambda key: adapter.input_specs(*key), counts, list(cfg.bcg.auto_sizes), cfg.sampler.steps, device,
+                cfg.bcg.warmup, cfg.bcg.enabled and device.type == "cuda", cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin,
+            )
             ladder = list(choice.ladder)
-            plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard)
-            save_choice(out_dir, choice, auto)
+            plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs)
+            save_choice(out_dir, ladder, costs, auto_print, auto)
             stop.check()
 
         # 4c. The denoiser, then what is already committed under output.dir.
@@ -185,7 +179,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             bcg=denoiser.engine.metrics.to_dict(),
             prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
             writer_busy_s=round(writer.busy_s, 4),
-            gpu_busy=gpu_busy_report(busy, generate_s),
+            gpu_busy=busy.report(generate_s),
             kernels={**kernels, "first_pass_s": denoiser.engine.metrics.to_dict()["first_pass_s"]},
             ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),
@@ -199,8 +193,30 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     return report
 
 
-def plan_job(items, ladder, batch_overhead_rows: float, shard: ShardSpec) -> tuple[Plan, list[Batch]]:
-    plan = make_plan(items, ladder, batch_overhead_rows)
+def read_valid_manifest(cfg: JobConfig):
+    """-> (valid items, bad rows, extra columns); refuses the manifest (ManifestError) when its
+    columns clash with ours, or when it has bad rows and manifest.on_invalid=error."""
+    granularity, max_side = model_limits(cfg.model)
+    items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
+    items, bad = check_items(cfg.model, items, bad)  # the family's own row checks (DiT class names)
+    extras = extra_schema(cfg.manifest.path)
+    if reserved_columns(extras):
+        raise ManifestError(
+            f"manifest {cfg.manifest.path}: column(s) {reserved_columns(extras)} would overwrite output metadata "
+            "of the same name; rename them"
+        )
+    if bad and cfg.manifest.on_invalid == "error":
+        raise ManifestError(
+            format_bad_rows(bad, source=str(cfg.manifest.path))
+            + "\nNothing was generated. Fix these rows, or pass manifest.on_invalid=skip to generate the rest."
+        )
+    return items, bad, extras
+
+
+def plan_job(items, ladder, batch_overhead_rows: float, shard: ShardSpec, costs=None) -> tuple[Plan, list[Batch]]:
+    """The plan (with `costs`, measured step times per resolution and bucket, where auto chose the
+    ladder; else the linear model) and this shard's batches of it."""
+    plan = make_plan(items, ladder, batch_overhead_rows, costs)
     mine = shard_batches(plan, shard, batch_overhead_rows)
     log.info(
         "plan: %d images in %d batches over %d resolutions, ladder %s, %d padded rows%s",
@@ -219,22 +235,23 @@ def engine_factory(cfg: JobConfig, ladder, device: torch.device):
     return make
 
 
-def gpu_busy_report(busy: GpuBusy, generate_s: float) -> dict | None:
-    fraction = busy.fraction(generate_s)
-    if fraction is None:
-        return None
-    return {"fraction": round(fraction, 4), "generate_s": round(generate_s, 4), "batches": len(busy.spans),
-            "measured": "device time of every batch (events) / wall time from the first batch to the last write"}
 
 
 def job_fields(cfg: JobConfig, model: str, sampler: str, precision: dict) -> dict[str, Any]:
-    """What every output row of this job says about how it was made. `settings` digests everything
-    else an image depends on, so a resumed job can tell whether committed images are still its own."""
-    everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name,
-                  "kernels": asdict(cfg.kernels)}
-    digest = hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """What every output row of this job says about how it was made; `settings` digests the rest."""
     return {"steps": cfg.sampler.steps, "guidance_scale": cfg.sampler.guidance_scale, "model": model,
-            "sampler": sampler, "settings": digest}
+            "sampler": sampler, "settings": settings_digest(cfg, precision)}
+
+
+def settings_digest(cfg: JobConfig, precision: dict) -> str:
+    """Everything else an image depends on, so a resumed job can tell whether committed images are
+    still its own: the model config, precision, scope, sampler, and kernels other than the default
+    (so outputs written before kernels were configurable still resume)."""
+    everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name}
+    kernels = output_kernels(cfg.kernels)
+    if kernels:
+        everything["kernels"] = kernels
+    return hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def batches_to_run(out_dir: Path, plan: Plan, mine, fields: dict[str, Any], on_conflict: str, shard: ShardSpec) -> list[Batch]:

@@ -42,7 +42,12 @@ SDPA_OPS = {
 FLASH_ATTN_OP = "flash_attn"
 
 
-def check_attention(name: str, family: str) -> None:
+def check_kernels(kernels) -> None:
+    """What can be refused before any model exists: a backend whose package is missing."""
+    check_attention(kernels.attention, None)
+
+
+def check_attention(name: str, family: str | None) -> None:
     """Refuse, at start, a backend that is not there or that this family cannot use."""
     if name not in ATTENTION:
         raise UserError(f"kernels.attention={name!r} is not accepted; choose one of {list(ATTENTION)}")
@@ -54,7 +59,7 @@ def check_attention(name: str, family: str) -> None:
             "(pip install -e '.[flash]' on a CUDA machine); or choose one of PyTorch's SDPA backends: "
             f"{list(SDPA)}"
         )
-    if family not in FLASH_ATTN_FAMILIES:
+    if family is not None and family not in FLASH_ATTN_FAMILIES:
         raise UserError(
             f"kernels.attention=flash_attn supports model families {list(FLASH_ATTN_FAMILIES)}, not {family!r}; "
             f"choose one of {list(SDPA)}"
@@ -187,15 +192,27 @@ def timed(into: dict, key: str):
 def quantize_fp8(transformer: torch.nn.Module) -> int:
     """Float8 weights and dynamically scaled float8 activations for the transformer's linear layers
     (torchao); -> layers converted. CUDA with sm89+ only."""
-    if importlib.util.find_spec("torchao") is None:
-        raise UserError("kernels.fp8=true needs the torchao package (pip install torchao); it is not installed")
     if transformer.device.type != "cuda" or torch.cuda.get_device_capability(transformer.device) < (8, 9):
         raise UserError("kernels.fp8=true needs a CUDA GPU with float8 tensor cores (sm89+: Ada, Hopper, Blackwell)")
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("kernels.fp8=true needs the torchao package (pip install torchao); it is not installed")
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     before = sum(isinstance(m, torch.nn.Linear) for m in transformer.modules())
     quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return before
+
+
+def output_kernels(kernels) -> dict:
+    """The kernel settings that change images, where they differ from the defaults."""
+    out: dict = {}
+    if kernels.attention != "auto":
+        out["attention"] = kernels.attention
+    if kernels.compile:
+        out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
+    if kernels.fp8:
+        out["fp8"] = True
+    return out
 
 
 # ---- all of it, in order ------------------------------------------------------------------------

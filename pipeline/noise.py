@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from pipeline.transfer import to_device
+
 
 def item_noise(seed: int, latent_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """[1, C, h, w] on the CPU."""
@@ -23,7 +25,4 @@ def batch_noise(
     seeds: Sequence[int], latent_shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[n, C, h, w] on `device`, row i from seeds[i]."""
-    noise = torch.cat([item_noise(s, latent_shape, dtype) for s in seeds])
-    if device.type == "cuda":
-        noise = noise.pin_memory()
-    return noise.to(device, non_blocking=True)
+    return to_device(torch.cat([item_noise(s, latent_shape, dtype) for s in seeds]), device)

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from pipeline.errors import UserError
+from pipeline.transfer import to_device
 
 # prompts (N) -> conditioning tensors by name, each [N, ...]
 EncodeFn = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -77,7 +78,7 @@ class PromptCache:
             self.cache.popitem(last=False)
         stacked = {name: torch.stack([r[name] for r in rows]) for name in rows[0]}
         if self.out is not None:
-            stacked = {name: t.to(self.out, non_blocking=True) for name, t in stacked.items()}
+            stacked = {name: to_device(t, self.out) for name, t in stacked.items()}
         return stacked
 
     def _fill(self, missing: list[str]) -> list[str]:

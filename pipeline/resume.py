@@ -89,7 +89,8 @@ def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) 
         lines.append("The plan changed: rows were added or removed, or bcg.ladder / bcg.batch_overhead_rows "
                      "differ from the run that committed these batches.")
     if any("settings" in why for why in conflicts.values()):
-        lines.append("'settings' covers the model config, precision, bcg.scope and the sampler config.")
+        lines.append("'settings' covers the model config, precision, bcg.scope, the sampler config and kernels "
+                     "other than the default.")
     lines.append("Use another output.dir, or output.on_conflict=overwrite to regenerate them.")
     return "\n".join(lines)
 

@@ -74,7 +74,7 @@ def test_missing_flash_attn_is_named_with_its_extra():
 
 
 def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
-    with pytest.raises(UserError, match="fp8"):
+    with pytest.raises(UserError, match="kernels.fp8=true needs a CUDA GPU with float8 tensor cores"):
         apply_kernels("auto", False, "default", True, tiny, None, shapes=1)
 
 
@@ -85,5 +85,12 @@ def test_job_reports_the_attention_backend_and_kernels_are_settings(tmp_path):
     assert report["kernels"]["attention_calls_per_forward"] == {"math": 2 * LAYERS}
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["kernels"]["attention_calls_per_forward"] == {"math": 2 * LAYERS}
-    with pytest.raises(ResumeConflict):  # other kernels, other images: not the same job
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):  # other kernels, other images
         run(cpu_job(manifest, tmp_path / "out", "kernels.attention=auto"))
+
+
+def test_kernel_options_that_change_no_image_are_not_settings(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    run(cpu_job(manifest, tmp_path / "out"))
+    again = run(cpu_job(manifest, tmp_path / "out", "kernels.compile_mode=max-autotune-no-cudagraphs"))  # compile is off
+    assert again["images"]["skipped"] == 1 and again["images"]["ok"] == 0

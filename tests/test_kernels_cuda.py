@@ -86,12 +86,12 @@ def test_fast_kernels_job_matches_eager_kernels_within_tolerance(tmp_path, demo)
 
 
 def test_host_running_ahead_changes_no_byte_and_busy_is_reported(tmp_path, demo):
-    reports = {d: run(cpu_job(demo, tmp_path / str(d), *GPU, f"runtime.inflight_batches={d}")) for d in (1, 3)}
-    for image in (tmp_path / "1" / "images").iterdir():
+    reports = {d: run(cpu_job(demo, tmp_path / str(d), *GPU, f"runtime.inflight_batches={d}")) for d in (0, 3)}
+    for image in (tmp_path / "0" / "images").iterdir():  # 0: each batch waited for before the next
         assert image.read_bytes() == (tmp_path / "3" / "images" / image.name).read_bytes(), image.name
     for report in reports.values():
         busy = report["gpu_busy"]
-        assert 0 < busy["fraction"] <= 1 and busy["batches"] == report["batches"]
+        assert 0 < busy["fraction"] <= busy["between_batches"] <= 1 and busy["batches"] == report["batches"]
     print({d: r["gpu_busy"]["fraction"] for d, r in reports.items()})
 
 

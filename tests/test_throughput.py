@@ -12,6 +12,7 @@ from pipeline.bench import BENCH, run_bench
 from pipeline.calibrate import SAVED
 from pipeline.errors import UserError
 from pipeline.job import run
+from pipeline.manifest import ManifestError
 
 AUTO = ("bcg.ladder=auto", "bcg.auto_sizes=[1,2,4]")
 
@@ -31,7 +32,10 @@ def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest):
     assert set(auto["chosen"]) <= {1, 2, 4} and report["ladder"] == auto["chosen"]
     assert auto["predicted_denoise_s"] > 0 and auto["measured_denoise_s"] > 0
     assert set(auto["step_s"]) == {f"{h}x{w}-b{b}" for h, w in ((64, 64), (64, 128)) for b in (1, 2, 4)}
-    assert auto["options"][0]["ladder"] == auto["chosen"]
+    best = auto["options"][0]
+    assert best["ladder"] == auto["chosen"]
+    # the job runs the plan that was predicted: the measured step times are the planner's costs
+    assert (report["batches"], report["padded_rows"]) == (best["batches"], best["padded_rows"])
     assert json.loads((out / SAVED).read_text())["ladder"] == auto["chosen"]
     again = run(cpu_job(manifest, out, *AUTO))  # resumed: the saved ladder, the same plan, nothing to redo
     assert again["ladder"] == auto["chosen"] and again["images"]["skipped"] == 7 and again["ladder_auto"] is None
@@ -40,6 +44,38 @@ def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest):
 def test_auto_ladder_refuses_shards_without_a_saved_choice(tmp_path, manifest):
     with pytest.raises(UserError, match="shard.count > 1"):
         run(cpu_job(manifest, tmp_path / "out", *AUTO, "shard.count=2"))
+
+
+def test_auto_ladder_choice_is_checked_before_it_is_reused(tmp_path, manifest, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / SAVED).write_text("{not json")
+    with pytest.raises(UserError, match="ladder.json is not a ladder choice"):
+        run(cpu_job(manifest, out, *AUTO))
+    (out / SAVED).write_text(json.dumps({"ladder": [8], "fingerprint": "another job", "costs": {}}))
+    report = run(cpu_job(manifest, out, *AUTO))
+    assert report["ladder_auto"] is not None and "calibrating again" in caplog.text
+    with pytest.raises(UserError, match="at most 8 sizes"):  # refused before any model or calibration
+        run(cpu_job(manifest, tmp_path / "other", "bcg.ladder=auto", "bcg.auto_sizes=[1,2,3,4,5,6,7,8,9]"))
+
+
+def test_auto_ladder_with_no_valid_row_finishes_like_any_ladder(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 63, 64, 1)))  # 63 px: not a multiple of 16
+    report = run(cpu_job(manifest, tmp_path / "out", *AUTO, "manifest.on_invalid=skip"))
+    assert report["images"]["invalid"] == 1 and report["images"]["ok"] == 0
+
+
+def test_bench_refuses_before_the_baseline_runs(tmp_path, manifest, monkeypatch):
+    import pipeline.bench as bench
+
+    monkeypatch.setattr(bench, "diffusers_baseline", lambda *a, **k: pytest.fail("the baseline ran"))
+    bad = write_manifest(tmp_path / "bad.parquet", rows(("a", 63, 64, 1)))
+    with pytest.raises(ManifestError):
+        run_bench(cpu_job(bad, tmp_path / "out", "bench.baseline=true"))
+    committed = tmp_path / "committed"
+    run(cpu_job(manifest, committed))
+    with pytest.raises(UserError, match="needs an empty output.dir"):
+        run_bench(cpu_job(manifest, committed, "bench.baseline=true"))
 
 
 def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, manifest):

@@ -29,6 +29,7 @@ from pipeline.models.source import (
     vae_scale_factor,
 )
 from pipeline.models.tokenizer import build_char_tokenizer
+from pipeline.transfer import to_device
 
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
 PIPELINES = (SIGMA, ALPHA)
@@ -85,8 +86,9 @@ class PixArtAdapter(TransformerVAE):
             add_special_tokens=True,
             return_tensors="pt",
         )
-        mask = tokens.attention_mask.to(self.device)
-        emb = self.text_encoder(tokens.input_ids.to(self.text_encoder.device), attention_mask=mask.to(self.text_encoder.device))[0]
+        mask = to_device(tokens.attention_mask, self.device)
+        encoder_device = self.text_encoder.device
+        emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]
         return {"emb": emb.to(self.device, self.dtype), "mask": mask}
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from pipeline.models.source import (
     vae_scale_factor,
 )
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer
+from pipeline.transfer import to_device
 
 PIPELINES = ("StableDiffusion3Pipeline",)
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default T5 tokens per prompt
@@ -88,7 +89,7 @@ class SD3Adapter(TransformerVAE):
         tokens = self.tokenizers[TOKENIZERS[index]](
             prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
         )
-        out = encoder(tokens.input_ids.to(encoder.device), output_hidden_states=True)
+        out = encoder(to_device(tokens.input_ids, encoder.device), output_hidden_states=True)
         return out.hidden_states[-2].to(dtype), out[0]
 
     def _t5(self, prompts: list[str], clip_dtype: torch.dtype) -> torch.Tensor:
@@ -106,7 +107,7 @@ class SD3Adapter(TransformerVAE):
             add_special_tokens=True,
             return_tensors="pt",
         )
-        return encoder(tokens.input_ids.to(encoder.device))[0].to(encoder.dtype)
+        return encoder(to_device(tokens.input_ids, encoder.device))[0].to(encoder.dtype)
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         return {}
