@@ -86,3 +86,23 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     pixels = result["vs_baseline_pixels"]
     assert pixels["images"] == 4 + 2 and pixels["max"] <= 2  # fp32 on CPU: the parity tests' bound
     assert json.loads((tmp_path / "out" / BENCH).read_text()) == result
+
+
+def test_compare_images_reports_psnr_and_worst_difference(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from jobs.compare_images import compare
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    shifted = base.copy()
+    shifted[1, 0, 0, 0] = base[1, 0, 0, 0] ^ 8  # one channel of one pixel off by 8 levels
+    for name, images in (("a", base), ("b", shifted)):
+        (tmp_path / name / "images").mkdir(parents=True)
+        for k, im in enumerate(images):
+            Image.fromarray(im).save(tmp_path / name / "images" / f"r{k}.png")
+    result = compare(tmp_path / "a", tmp_path / "b")
+    expected_psnr = 10 * np.log10(255.0**2 / (8.0**2 / base[0].size))
+    assert result["images"] == 3 and result["identical"] == 2 and result["max_levels"] == 8
+    assert abs(result["min_psnr_db"] - expected_psnr) < 0.01

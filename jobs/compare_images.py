@@ -1,0 +1,53 @@
+"""Compare the images of two output directories of the same manifest (e.g. kernels.fp8=true vs bf16).
+
+    python jobs/compare_images.py OUT_A OUT_B [--json result.json]
+
+Per image id present in both: max absolute difference (levels of 255) and PSNR (dB, peak 255);
+prints the mean, the worst PSNR and the worst max difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def compare(dir_a: Path, dir_b: Path) -> dict:
+    names = sorted(p.name for p in (dir_a / "images").glob("*.png") if (dir_b / "images" / p.name).exists())
+    if not names:
+        raise SystemExit(f"no image id is in both {dir_a}/images and {dir_b}/images")
+    rows = []
+    for name in names:
+        a, b = (np.asarray(Image.open(d / "images" / name).convert("RGB")) for d in (dir_a, dir_b))
+        rows.append({"id": name[:-4], "psnr_db": psnr(a, b), "max_levels": int(np.abs(a.astype(int) - b.astype(int)).max())})
+    finite = [r["psnr_db"] for r in rows if math.isfinite(r["psnr_db"])]
+    return {"images": len(rows), "identical": len(rows) - len(finite),
+            "mean_psnr_db": round(float(np.mean(finite)), 2) if finite else math.inf,
+            "min_psnr_db": round(min(finite), 2) if finite else math.inf,
+            "max_levels": max(r["max_levels"] for r in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = compare(args.a, args.b)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
