@@ -20,7 +20,7 @@ if [ "$what" = throughput ]; then
     timeout -s KILL 150 python3 -m pipeline.run +job=bench bench.baseline=false kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$OUT/fp8_$fp8.log" 2>&1
   done
   python3 jobs/compare_images.py /tmp/fp8-false /tmp/fp8-true --json "$OUT/fp8_vs_bf16.json" > "$OUT/fp8_vs_bf16.log" 2>&1
-  timeout -s KILL 150 python3 jobs/bench_kernels.py --iters 8 --no-scopes --variants cudnn cudnn+fp8+compile --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
+  timeout -s KILL 150 python3 jobs/bench_kernels.py --iters 8 --no-scopes --variants cudnn cudnn+compile-blocks cudnn+fp8+compile --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
   echo "== bench (rc=$bench_rc)"; grep -A10 "^| system" "$OUT/bench_job.log" | cut -c1-300
   echo "== fp8 vs bf16"; cat "$OUT/fp8_vs_bf16.log"; grep -h "images_per_s\|summary:" "$OUT"/fp8_*.log | cut -c1-200
   echo "== kernels"; grep -E "^\||TFLOP" "$OUT/bench_kernels.log"

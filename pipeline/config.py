@@ -82,6 +82,9 @@ class KernelsConfig:
     # One compilation with symbolic batch and token counts for every shape (true), or one per
     # (resolution, bucket) (false: specialised kernels, a compile each).
     compile_dynamic: bool = True
+    # model: compile the whole transformer; blocks: its repeated block once, reused by every block
+    # (regional compilation: far shorter compiles, no fusion across blocks).
+    compile_scope: str = "model"
     # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
     fp8: bool = False
 
@@ -166,6 +169,7 @@ SCOPES = ("forward", "step", "loop")
 SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "flash_attn")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "blocks")
 
 
 def check_auto_sizes(sizes) -> None:
@@ -192,6 +196,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("sampler.name", cfg.sampler.name, SAMPLER_NAMES),
         ("kernels.attention", cfg.kernels.attention, ATTENTION),
         ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
+        ("kernels.compile_scope", cfg.kernels.compile_scope, COMPILE_SCOPES),
         ("output.format", cfg.output.format, ("png",)),
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):

@@ -101,7 +101,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
         k = cfg.kernels
         kernels = apply_kernels(k.attention, k.compile, k.compile_mode, k.fp8, adapter,
                                 resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
-                                dynamic=k.compile_dynamic)
+                                dynamic=k.compile_dynamic, scope=k.compile_scope)
         stop.check()
 
         # 4b. bcg.ladder=auto: calibrate, choose, plan (saved so that a resumed job plans the same).

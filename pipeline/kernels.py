@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipeline.config import ATTENTION, COMPILE_MODES
+from pipeline.config import ATTENTION, COMPILE_MODES, COMPILE_SCOPES
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -160,21 +160,32 @@ def use_flash_attn(transformer: torch.nn.Module, flash_attn_func: Callable | Non
 # ---- torch.compile ------------------------------------------------------------------------------
 
 
-def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dynamic: bool) -> None:
+def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dynamic: bool, scope: str = "model") -> None:
     """Compile in place with inductor; inductor's own CUDA graphs stay off, ours capture the
     compiled kernels. `dynamic`: one compilation with symbolic batch and token counts serves every
     (resolution, bucket) (a few recompiles where diffusers branches on a size); else one per shape.
-    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager."""
+    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager.
+    `scope`: `model` compiles the whole transformer; `blocks` compiles its repeated transformer block
+    once and reuses the code for every block (diffusers' regional compilation: a fraction of the
+    compile time, no fusion across block boundaries)."""
     if mode not in COMPILE_MODES:
         raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
+    if scope not in COMPILE_SCOPES:
+        raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
     import torch._dynamo.config as dynamo_config
 
     limit = max(dynamo_config.recompile_limit, shapes + 2)
     dynamo_config.recompile_limit = limit
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
-    transformer.compile(mode=mode, dynamic=dynamic, fullgraph=True)
-    log.info("kernels: transformer compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
-             mode, "dynamic" if dynamic else "static")
+    if scope == "blocks":
+        # diffusers compiles every submodule whose class is listed in `_repeated_blocks`; these
+        # families do not list theirs, so name the class of the first of `transformer_blocks`.
+        transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
+        transformer.compile_repeated_blocks(mode=mode, dynamic=dynamic, fullgraph=True)
+    else:
+        transformer.compile(mode=mode, dynamic=dynamic, fullgraph=True)
+    log.info("kernels: transformer %s compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
+             "blocks" if scope == "blocks" else "model", mode, "dynamic" if dynamic else "static")
 
 
 @contextmanager
@@ -209,7 +220,8 @@ def output_kernels(kernels) -> dict:
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
     if kernels.compile:
-        out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
+        out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic,
+                   compile_scope=kernels.compile_scope)
     if kernels.fp8:
         out["fp8"] = True
     return out
@@ -219,7 +231,7 @@ def output_kernels(kernels) -> dict:
 
 
 def apply_kernels(attention: str, compile_: bool, compile_mode: str, fp8: bool, adapter,
-                  probe_size: tuple[int, int] | None, shapes: int, dynamic: bool = True) -> dict:
+                  probe_size: tuple[int, int] | None, shapes: int, dynamic: bool = True, scope: str = "model") -> dict:
     """Set the transformer's kernels (attention, then fp8, then compile) and observe which attention
     backend serves its calls (one eager CFG forward, 1 row, at `probe_size`) -> stats.json's `kernels`."""
     from bcg.buffers import StaticInputs
@@ -242,6 +254,6 @@ def apply_kernels(attention: str, compile_: bool, compile_mode: str, fp8: bool, 
         report["fp8_linear_layers"] = quantize_fp8(adapter.transformer)
         log.info("kernels: %d linear layers in float8 (torchao)", report["fp8_linear_layers"])
     if compile_:
-        report.update(compile_mode=compile_mode, compile_dynamic=dynamic)
-        compile_transformer(adapter.transformer, compile_mode, shapes, dynamic)
+        report.update(compile_mode=compile_mode, compile_dynamic=dynamic, compile_scope=scope)
+        compile_transformer(adapter.transformer, compile_mode, shapes, dynamic, scope)
     return report

@@ -94,3 +94,17 @@ def test_kernel_options_that_change_no_image_are_not_settings(tmp_path):
     run(cpu_job(manifest, tmp_path / "out"))
     again = run(cpu_job(manifest, tmp_path / "out", "kernels.compile_mode=max-autotune-no-cudagraphs"))  # compile is off
     assert again["images"]["skipped"] == 1 and again["images"]["ok"] == 0
+
+
+@pytest.mark.slow
+def test_regional_compile_compiles_each_block_and_computes_the_same(tiny):
+    x = inputs(tiny)
+    with torch.no_grad():
+        reference = tiny.guided_eps(x)
+    report = apply_kernels("auto", True, "default", False, tiny, None, shapes=2, dynamic=False, scope="blocks")
+    assert report["compile_scope"] == "blocks"
+    blocks = tiny.transformer.transformer_blocks
+    assert all(b._compiled_call_impl is not None for b in blocks) and tiny.transformer._compiled_call_impl is None
+    with torch.no_grad():
+        out = tiny.guided_eps(x)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
