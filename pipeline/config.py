@@ -104,6 +104,8 @@ class OutputConfig:
     # Store the encoded image in each shard row as {bytes, path} (Hugging Face Image feature layout).
     embed_images: bool = False
     queue_size: int = 32
+    # Threads that PNG-encode a batch's images in parallel (zlib releases the GIL).
+    encode_threads: int = 4
     # Committed batches that no longer match the job (manifest rows or settings changed):
     # error (refuse, naming the ids) or overwrite (regenerate them).
     on_conflict: str = "error"
@@ -206,6 +208,8 @@ def check_choices(cfg: JobConfig) -> None:
         raise UserError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
     if not 0 <= cfg.output.png_compress_level <= 9:
         raise UserError(f"output.png_compress_level={cfg.output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
+    if cfg.output.encode_threads < 1:
+        raise UserError(f"output.encode_threads={cfg.output.encode_threads} must be >= 1")
     if cfg.output.queue_size < 1:
         raise UserError(f"output.queue_size={cfg.output.queue_size} must be >= 1 (batches waiting for the writer)")
     ladder = cfg.bcg.ladder

@@ -142,6 +142,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             cfg.output.queue_size,
             cfg.output.png_compress_level,
             cfg.output.embed_images,
+            cfg.output.encode_threads,
         )
 
         # 6. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits

@@ -13,6 +13,7 @@ import io
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -93,7 +94,8 @@ def encode_png(pixels: np.ndarray, compress_level: int) -> bytes:
 
 
 class Writer:
-    def __init__(self, out_dir: Path, schema: pa.Schema, queue_size: int, compress_level: int, embed_images: bool):
+    def __init__(self, out_dir: Path, schema: pa.Schema, queue_size: int, compress_level: int, embed_images: bool,
+                 encode_threads: int = 1):
         self.out_dir = Path(out_dir)
         (self.out_dir / IMAGES_DIR).mkdir(parents=True, exist_ok=True)
         (self.out_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
@@ -103,6 +105,9 @@ class Writer:
         self.busy_s = 0.0
         self.error: BaseException | None = None  # writing failed
         self.failure: BaseException | None = None  # resolving a batch failed (a device error)
+        # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, which shortens
+        # the tail after the last batch and keeps up with large images.
+        self._encoder = ThreadPoolExecutor(max_workers=max(encode_threads, 1), thread_name_prefix="png")
         self._queue: queue.Queue[Pending | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._loop, name="writer", daemon=True)
         self._thread.start()
@@ -117,6 +122,7 @@ class Writer:
         """Drain the queue and stop the thread; raises the writer's error, if it had one."""
         self._queue.put(None)
         self._thread.join()
+        self._encoder.shutdown()
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -142,10 +148,9 @@ class Writer:
             self.busy_s += time.perf_counter() - start
 
     def _write(self, result: BatchResult) -> None:
-        for row, pixels in zip(result.rows, result.images):
-            if pixels is None:
-                continue
-            data = encode_png(pixels, self.compress_level)
+        ok = [(row, pixels) for row, pixels in zip(result.rows, result.images) if pixels is not None]
+        encoded = self._encoder.map(lambda pixels: encode_png(pixels, self.compress_level), [p for _, p in ok])
+        for (row, _), data in zip(ok, encoded):
             atomic_write_bytes(self.out_dir / row["path"], data)
             if self.embed_images:
                 row["image"] = {"bytes": data, "path": row["path"]}
