@@ -1,7 +1,8 @@
 """`bcg.ladder=auto`: a short calibration at warm-up, then the ladder with the least predicted job time.
 
-Every (resolution of the manifest, batch size in `bcg.auto_sizes`) gets one CFG forward graph (eager
-on the CPU), replayed a few times on the device's own clock; its measured memory need goes into the
+Every (resolution of the manifest, batch size in `bcg.auto_sizes`) gets one graph of one denoising
+step in the job's scope (`Denoiser.one_step`: the CFG forward in `forward`, forward + sampler
+update in `step` and `loop`; eager on the CPU), replayed a few times on the device's own clock; its measured memory need goes into the
 same pool prediction the real engine uses. A size that does not fit (out of memory, or over
 `bcg.pool_limit_gib` alone) is dropped, said once and listed. `bcg.autoladder.choose_ladder` does
 the rest, and the job plans with the measured step times as its costs, so the plan it runs is the
@@ -84,7 +85,7 @@ def _res(key: str) -> tuple[int, int]:
 
 def measure(fn, spec_fn, resolutions: list[tuple[int, int]], sizes: list[int], device: torch.device, warmup: int,
             graphs: bool, pool_limit_gib: float | None) -> tuple[list[Measurement], dict[int, str]]:
-    """Seconds per CFG forward and memory need at every (resolution, size); -> (measurements,
+    """Seconds per step and memory need at every (resolution, size); -> (measurements,
     {size: why it was dropped})."""
     out, dropped = [], {}
     for b in sizes:

@@ -30,7 +30,7 @@ Inputs = dict[str, torch.Tensor]
 class Denoiser:
     """Owns the sampler and the engine for one job; `denoise` runs one batch."""
 
-    def __init__(self, adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine]):
+    def __init__(self, adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine] | None = None):
         if scope not in SCOPES:
             raise UserError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
         self.adapter = adapter
@@ -42,10 +42,24 @@ class Denoiser:
         self.sampler: Sampler | None = None
         if scope != "forward":
             self.sampler = make_sampler(sampler, adapter.scheduler_class, adapter.scheduler_config, steps, adapter.device)
-        fn, specs = {"forward": (adapter.guided_eps, self._forward_specs),
+        self.engine: BCGEngine | None = None
+        if engine_factory is not None:
+            self.attach(engine_factory)
+
+    def attach(self, engine_factory: Callable[..., BCGEngine]) -> None:
+        """The engine, once the ladder is known (bcg.ladder=auto calibrates `one_step` first)."""
+        fn, specs = {"forward": (self.adapter.guided_eps, self._forward_specs),
                      "step": (self._step, self._step_specs),
-                     "loop": (self._loop, self._loop_specs)}[scope]
+                     "loop": (self._loop, self._loop_specs)}[self.scope]
         self.engine = engine_factory(fn, specs)
+
+    def one_step(self) -> tuple[Callable, Callable]:
+        """(fn, specs) of one denoising step in this scope, keyed by (height, width): the CFG
+        forward in `forward` (diffusers' scheduler runs outside it), forward + sampler update in
+        `step` and `loop` (a loop is `steps` of them)."""
+        if self.scope == "forward":
+            return self.adapter.guided_eps, self._forward_specs
+        return self._step, self._step_specs
 
     def key(self, height: int, width: int) -> ShapeKey:
         return (height, width, self.steps) if self.scope == "loop" else (height, width)

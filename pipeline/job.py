@@ -104,12 +104,15 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
                                 dynamic=k.compile_dynamic, scope=k.compile_scope)
         stop.check()
 
-        # 4b. bcg.ladder=auto: calibrate, choose, plan (saved so that a resumed job plans the same).
+        # 4b. bcg.ladder=auto: calibrate one step of this scope, choose, plan (saved so that a resumed
+        # job plans the same).
+        denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
         auto = None
         if plan is None:
-            fn = with_attention(adapter.guided_eps, k.attention, device.type)
+            step_fn, step_specs = denoiser.one_step()
             choice, costs, auto = auto_ladder(
-                fn, lambda key: adapter.input_specs(*key), counts, list(cfg.bcg.auto_sizes), cfg.sampler.steps, device,
+                with_attention(step_fn, k.attention, device.type), step_specs, counts, list(cfg.bcg.auto_sizes),
+                cfg.sampler.steps, device,
                 cfg.bcg.warmup, cfg.bcg.enabled and device.type == "cuda", cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin,
             )
             ladder = list(choice.ladder)
@@ -117,8 +120,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             save_choice(out_dir, ladder, costs, auto_print, auto)
             stop.check()
 
-        # 4c. The denoiser, then what is already committed under output.dir.
-        denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps, engine_factory(cfg, ladder, device))
+        # 4c. The denoiser's engine, then what is already committed under output.dir.
+        denoiser.attach(engine_factory(cfg, ladder, device))
         fields = job_fields(cfg, adapter.name, denoiser.sampler_label, precision)
         todo = batches_to_run(out_dir, plan, mine, fields, cfg.output.on_conflict, shard)
         stats.planned = sum(len(b.items) for b in mine)

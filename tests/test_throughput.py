@@ -24,9 +24,10 @@ def manifest(tmp_path):
     return write_manifest(tmp_path / "m.parquet", rows(*specs))
 
 
-def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest):
+@pytest.mark.parametrize("scope", ["forward", "step"])
+def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest, scope):
     out = tmp_path / "out"
-    report = run(cpu_job(manifest, out, *AUTO))
+    report = run(cpu_job(manifest, out, *AUTO, f"bcg.scope={scope}"))
     auto = report["ladder_auto"]
     assert report["images"]["ok"] == 7
     assert set(auto["chosen"]) <= {1, 2, 4} and report["ladder"] == auto["chosen"]
@@ -37,7 +38,7 @@ def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest):
     # the job runs the plan that was predicted: the measured step times are the planner's costs
     assert (report["batches"], report["padded_rows"]) == (best["batches"], best["padded_rows"])
     assert json.loads((out / SAVED).read_text())["ladder"] == auto["chosen"]
-    again = run(cpu_job(manifest, out, *AUTO))  # resumed: the saved ladder, the same plan, nothing to redo
+    again = run(cpu_job(manifest, out, *AUTO, f"bcg.scope={scope}"))  # resumed: the saved ladder, same plan
     assert again["ladder"] == auto["chosen"] and again["images"]["skipped"] == 7 and again["ladder_auto"] is None
 
 
