@@ -25,7 +25,8 @@ from PIL import Image
 from pipeline.config import JobConfig, check_choices
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
-from pipeline.kernels import check_kernels
+from pipeline.calibrate import SAVED
+from pipeline.kernels import check_attention, check_fp8, check_kernels
 from pipeline.models import build_model, to_diffusers
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
@@ -42,18 +43,25 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     # What the job would refuse, refused before the baseline spends its minutes.
     check_choices(cfg)
     items, _, _ = read_valid_manifest(cfg)
+    if not items:
+        raise UserError(f"+job=bench: manifest {cfg.manifest.path} has no valid row to compare on")
+    if cfg.shard.count > 1:
+        raise UserError("+job=bench runs one process: shard.count must be 1")
     check_kernels(cfg.kernels)
     out_dir = Path(cfg.output.dir)
-    if any((out_dir / SHARDS_DIR).glob("*.parquet")):
-        raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches, which our "
-                        "job would skip and the comparison would not count")
+    if any((out_dir / SHARDS_DIR).glob("*.parquet")) or (out_dir / SAVED).exists():
+        raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches or a "
+                        "ladder choice, which our job would reuse and the comparison would not count")
     device = resolve_device(cfg.runtime.device, 0)
+    if cfg.kernels.fp8:
+        check_fp8(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
     adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
     if adapter.family not in TEXT_FAMILIES:
         raise UserError(f"bench.baseline=true supports the text-to-image families {list(TEXT_FAMILIES)}, not {adapter.family!r}")
+    check_attention(cfg.kernels.attention, adapter.family)
 
     baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale, cfg.bench.baseline_batch)
     start = time.perf_counter()

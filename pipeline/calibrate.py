@@ -44,11 +44,12 @@ class SavedChoice:
     costs: Costs  # measured seconds per step, per resolution and bucket: the planner's costs
 
 
-def fingerprint(counts: dict[tuple[int, int], int], sizes, pool_limit_gib, settings: str) -> str:
+def fingerprint(counts: dict[tuple[int, int], int], sizes, pool_limit_gib, pool_margin: float, graphs: bool,
+                settings: str) -> str:
     """What a choice depends on: rows per resolution, the calibrated sizes, the pool limit and
-    every setting an image (and a step's time) depends on."""
+    margin, whether graphs were on, and every setting an image (and a step's time) depends on."""
     what = {"counts": {f"{h}x{w}": n for (h, w), n in sorted(counts.items())}, "sizes": list(sizes),
-            "pool_limit_gib": pool_limit_gib, "settings": settings}
+            "pool_limit_gib": pool_limit_gib, "pool_margin": pool_margin, "graphs": graphs, "settings": settings}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -72,7 +72,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     if ladder == AUTO and not items:
         ladder = list(cfg.bcg.auto_sizes)  # nothing to calibrate for, nothing to plan
     elif ladder == AUTO:
-        auto_print = fingerprint(counts, cfg.bcg.auto_sizes, cfg.bcg.pool_limit_gib, settings_digest(cfg, precision))
+        auto_print = fingerprint(counts, cfg.bcg.auto_sizes, cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin,
+                                 cfg.bcg.enabled and device.type == "cuda", settings_digest(cfg, precision))
         saved = load_choice(out_dir, auto_print)
         if saved is not None:
             ladder, costs = saved.ladder, saved.costs

@@ -200,13 +200,19 @@ def timed(into: dict, key: str):
 # ---- float8 -------------------------------------------------------------------------------------
 
 
-def quantize_fp8(transformer: torch.nn.Module) -> int:
-    """Float8 weights and dynamically scaled float8 activations for the transformer's linear layers
-    (torchao); -> layers converted. CUDA with sm89+ only."""
-    if transformer.device.type != "cuda" or torch.cuda.get_device_capability(transformer.device) < (8, 9):
+def check_fp8(device: torch.device) -> None:
+    """kernels.fp8=true needs float8 tensor cores and torchao; refused at start otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         raise UserError("kernels.fp8=true needs a CUDA GPU with float8 tensor cores (sm89+: Ada, Hopper, Blackwell)")
     if importlib.util.find_spec("torchao") is None:
         raise UserError("kernels.fp8=true needs the torchao package (pip install torchao); it is not installed")
+
+
+def quantize_fp8(transformer: torch.nn.Module) -> int:
+    """Float8 weights and dynamically scaled float8 activations for the transformer's linear layers
+    (torchao); -> layers converted. CUDA with sm89+ only."""
+    check_fp8(transformer.device)
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     before = sum(isinstance(m, torch.nn.Linear) for m in transformer.modules())
@@ -220,8 +226,9 @@ def output_kernels(kernels) -> dict:
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
     if kernels.compile:
-        out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic,
-                   compile_scope=kernels.compile_scope)
+        out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
+        if kernels.compile_scope != "model":  # keys added later count only away from their default
+            out["compile_scope"] = kernels.compile_scope
     if kernels.fp8:
         out["fp8"] = True
     return out

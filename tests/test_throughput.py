@@ -73,6 +73,10 @@ def test_bench_refuses_before_the_baseline_runs(tmp_path, manifest, monkeypatch)
     bad = write_manifest(tmp_path / "bad.parquet", rows(("a", 63, 64, 1)))
     with pytest.raises(ManifestError):
         run_bench(cpu_job(bad, tmp_path / "out", "bench.baseline=true"))
+    with pytest.raises(UserError, match="no valid row"):
+        run_bench(cpu_job(bad, tmp_path / "out", "bench.baseline=true", "manifest.on_invalid=skip"))
+    with pytest.raises(UserError, match="kernels.fp8=true needs a CUDA GPU"):
+        run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "kernels.fp8=true"))
     committed = tmp_path / "committed"
     run(cpu_job(manifest, committed))
     with pytest.raises(UserError, match="needs an empty output.dir"):
