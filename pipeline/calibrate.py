@@ -72,9 +72,10 @@ def load_choice(out_dir: Path, expected: str) -> SavedChoice | None:
     return SavedChoice(ladder, costs)
 
 
-def save_choice(out_dir: Path, ladder: list[int], costs: Costs, print_: str, report: dict) -> None:
+def save_choice(out_dir: Path, costs: Costs, print_: str, report: dict) -> None:
+    """`report` (auto_ladder's) holds the chosen ladder; saved with the costs and the fingerprint."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    body = {"ladder": ladder, "fingerprint": print_,
+    body = {"ladder": report["chosen"], "fingerprint": print_,
             "costs": {f"{h}x{w}": {str(b): s for b, s in t.items()} for (h, w), t in costs.items()}, **report}
     atomic_write_text(Path(out_dir) / SAVED, json.dumps(body, indent=2))
 

@@ -199,7 +199,7 @@ class GpuBusy:
             self._begin = torch.cuda.Event(enable_timing=True)
             self._begin.record()
 
-    def end(self, pending: PendingBatch) -> None:
+    def end(self) -> None:
         if self.active and self._begin is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -118,7 +118,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             )
             ladder = list(choice.ladder)
             plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs)
-            save_choice(out_dir, ladder, costs, auto_print, auto)
+            save_choice(out_dir, costs, auto_print, auto)
             stop.check()
 
         # 4c. The denoiser's engine, then what is already committed under output.dir.
@@ -161,7 +161,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
                     bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
                     busy.begin()
                     pending = submit_with_retry(adapter, denoiser, prompts, batch, fields, stats)
-                    busy.end(pending)
+                    busy.end()
                     writer.submit(pending)
                     inflight.admit(pending)
                     bar.update(len(batch.items))
@@ -185,7 +185,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
             writer_busy_s=round(writer.busy_s, 4),
             gpu_busy=busy.report(generate_s),
-            kernels={**kernels, "first_pass_s": denoiser.engine.metrics.to_dict()["first_pass_s"]},
+            kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4)},
             ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),
             config=resolved_config,

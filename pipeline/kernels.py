@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -187,14 +186,6 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     log.info("kernels: transformer %s compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
              "blocks" if scope == "blocks" else "model", mode, "dynamic" if dynamic else "static")
 
-
-@contextmanager
-def timed(into: dict, key: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        into[key] = into.get(key, 0.0) + time.perf_counter() - start
 
 
 # ---- float8 -------------------------------------------------------------------------------------

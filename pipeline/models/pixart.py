@@ -28,7 +28,7 @@ from pipeline.models.source import (
     make_modules,
     vae_scale_factor,
 )
-from pipeline.models.tokenizer import build_char_tokenizer
+from pipeline.models.tokenizer import build_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
 
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
@@ -78,14 +78,7 @@ class PixArtAdapter(TransformerVAE):
         if self.text_encoder is None:
             raise RuntimeError(released_message(self.name))
         text = [p.lower().strip() for p in prompts]
-        tokens = self.tokenizer(
-            text,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        )
+        tokens = pad_tokens(self.tokenizer, text, self.max_sequence_length)
         mask = to_device(tokens.attention_mask, self.device)
         encoder_device = self.text_encoder.device
         emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]

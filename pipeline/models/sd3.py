@@ -31,7 +31,7 @@ from pipeline.models.source import (
     load_component,
     vae_scale_factor,
 )
-from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer
+from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
 
 PIPELINES = ("StableDiffusion3Pipeline",)
@@ -86,9 +86,7 @@ class SD3Adapter(TransformerVAE):
     def _clip(self, index: int, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP `index` -> (penultimate hidden state [N, 77, H] in `dtype`, pooled projection [N, P])."""
         encoder = self.text_encoders[CLIPS[index]]
-        tokens = self.tokenizers[TOKENIZERS[index]](
-            prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
-        )
+        tokens = pad_tokens(self.tokenizers[TOKENIZERS[index]], prompts, self.clip_length)
         out = encoder(to_device(tokens.input_ids, encoder.device), output_hidden_states=True)
         return out.hidden_states[-2].to(dtype), out[0]
 
@@ -99,14 +97,7 @@ class SD3Adapter(TransformerVAE):
         if encoder is None:
             shape = (len(prompts), self.max_sequence_length, self.transformer.config.joint_attention_dim)
             return torch.zeros(shape, device=self.device, dtype=clip_dtype)
-        tokens = self.tokenizers["tokenizer_3"](
-            prompts,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        )
+        tokens = pad_tokens(self.tokenizers["tokenizer_3"], prompts, self.max_sequence_length)
         return encoder(to_device(tokens.input_ids, encoder.device))[0].to(encoder.dtype)
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:

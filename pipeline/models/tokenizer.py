@@ -22,6 +22,13 @@ CLIP_MAX_LENGTH = 77
 CHARS = string.digits + string.ascii_letters + string.punctuation + " "
 
 
+def pad_tokens(tokenizer, prompts: list[str], length: int):
+    """`prompts` tokenized as diffusers' pipelines do: special tokens added, padded and truncated to
+    exactly `length` tokens, as PyTorch tensors (input_ids, attention_mask)."""
+    return tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+                     add_special_tokens=True, return_tensors="pt")
+
+
 def char_vocab(specials: tuple[str, ...] = SPECIALS) -> dict[str, int]:
     """Specials first (ids 0..), then one id per character: 3 + 95 = 98 ids."""
     vocab = {tok: i for i, tok in enumerate(specials)}
