@@ -9,9 +9,9 @@ On the GPU, from the repository root (random weights, bf16, TF32 off, cudnn.benc
    16 heads, 4096 tokens, head dim 72): milliseconds and TFLOP/s (4*B*H*N^2*D FLOPs).
 3. One CFG step (`PixArtAdapter.guided_eps`, 2B rows) at `--side` px and bucket `--bucket`, replayed
    from our engine's graph, per kernel variant (`pipeline.kernels`: attention backend, torch.compile
-   dynamic or static): median ms, TFLOP/s from the step's FLOPs (torch.utils.flop_counter, matmuls
-   and attention) and the share of the matmul rate; compile seconds; whether replay equals the
-   (compiled) eager call bit for bit.
+   dynamic or static, whole model or blocks, fused projections, fp8; see `variant_kernels`): median
+   ms, TFLOP/s from the step's FLOPs (torch.utils.flop_counter, matmuls and attention) and the share
+   of the matmul rate; compile seconds; whether replay equals the (compiled) eager call bit for bit.
 4. `bcg.scope` with the fastest variant at 512 px, 1 prompt, 20 steps: forward vs loop ms per image.
 CPU check (tiny model, no graphs, no compile): `python jobs/bench_kernels.py --smoke --out /tmp/k.json`.
 """
@@ -37,23 +37,33 @@ from torch.utils.flop_counter import FlopCounterMode
 from bcg.engine import BCGEngine
 from jobs.bench_engine import environment, make_inputs, pixart_adapter, save_and_report, time_calls
 from jobs.bench_scopes import make_denoiser, random_batch, time_denoise
+from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.kernels import SDPA, apply_kernels, with_attention
 from pipeline.precision import apply_precision
 
-VARIANTS = {  # name -> (attention, compile, dynamic, fp8, compile scope); fp8 changes the weights in place: last
-    "auto": ("auto", False, False, False, "model"),
-    "flash": ("flash", False, False, False, "model"),
-    "efficient": ("efficient", False, False, False, "model"),
-    "cudnn": ("cudnn", False, False, False, "model"),
-    "cudnn+compile": ("cudnn", True, True, False, "model"),
-    "cudnn+compile-static": ("cudnn", True, False, False, "model"),  # not in the default run: one more full compile
-    "cudnn+compile-blocks": ("cudnn", True, False, False, "blocks"),
-    "cudnn+fp8+compile": ("cudnn", True, True, True, "model"),
-}
+# A variant is its attention backend and options joined by "+": compile (dynamic shapes, whole
+# model), static (one compile per shape), blocks (regional compile), autotune (inductor's
+# max-autotune-no-cudagraphs), fuse (fused q|k|v projections), fp8 (torchao; changes the weights:
+# runs last). Fused projections and fp8 weights stay for the variants after the first that asks.
+DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
+OPTIONS = ("compile", "static", "blocks", "autotune", "fuse", "fp8")
+
+
+def variant_kernels(name: str) -> KernelsConfig:
+    """'cudnn+fuse+compile+static' -> the KernelsConfig it names ('-' works as '+': cudnn+compile-static)."""
+    attention, *options = name.replace("-", "+").split("+")
+    unknown = [o for o in options if o not in OPTIONS]
+    if attention not in (*SDPA, "auto", "flash_attn") or unknown:
+        raise SystemExit(f"variant {name!r}: an attention backend ({[*SDPA, 'auto', 'flash_attn']}) then options {list(OPTIONS)}")
+    return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
+                         compile_scope="blocks" if "blocks" in options else "model",
+                         compile_mode="max-autotune-no-cudagraphs" if "autotune" in options else "default",
+                         fuse_qkv="fuse" in options, fp8="fp8" in options)
 
 
 REFERENCE: dict[str, torch.Tensor] = {}
+APPLIED: set[str] = set()  # model changes made by earlier variants (fuse, fp8)
 
 
 def matmul_rate(device: torch.device, iters: int, n: int) -> float:
@@ -92,12 +102,16 @@ def reset_compile(adapter) -> None:
 
 
 def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int) -> dict:
-    attention, compile_, dynamic, fp8, scope = VARIANTS[name]
+    kernels = variant_kernels(name)
     reset_compile(adapter)
     start = time.perf_counter()
-    report = apply_kernels(attention, compile_ and device.type == "cuda", "default", fp8, adapter, (side, side),
-                           shapes=4, dynamic=dynamic, scope=scope)
-    fn = with_attention(adapter.guided_eps, attention, device.type)
+    # Fused projections and float8 weights stay from the first variant that asked for them: fusing
+    # again would copy the weights again; quantizing float8 weights again fails in torchao.
+    kernels.fuse_qkv = kernels.fuse_qkv and "fuse" not in APPLIED
+    kernels.fp8 = kernels.fp8 and "fp8" not in APPLIED
+    report = apply_kernels(kernels, adapter, (side, side), shapes=4)
+    APPLIED.update(k for k, on in (("fuse", kernels.fuse_qkv), ("fp8", kernels.fp8)) if on)
+    fn = with_attention(adapter.guided_eps, kernels.attention, device.type)
     engine = BCGEngine(fn, lambda key: adapter.input_specs(*key), [bucket], device, warmup=3)
     engine.capture_all([(side, side)])
     setup_s = time.perf_counter() - start
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bucket", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "cudnn+compile-static"])
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--no-scopes", action="store_true")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
@@ -177,11 +191,12 @@ def main(argv: list[str] | None = None) -> dict:
     inputs = make_inputs(adapter.input_specs(side, side), bucket, device)
     results["step_tflop"] = step_flops(adapter, inputs) / 1e12
     results["variants"] = {}
-    variants = [v for v in args.variants if device.type == "cuda" or not VARIANTS[v][1]]
-    variants = sorted(variants, key=lambda v: VARIANTS[v][3])  # fp8 last: it changes the weights
+    variants = [v for v in args.variants if device.type == "cuda" or not variant_kernels(v).compile]
+    # Fused projections, then fp8, change the model for every later variant: they run last.
+    variants = sorted(variants, key=lambda v: (variant_kernels(v).fp8, variant_kernels(v).fuse_qkv))
     if not args.no_scopes and device.type == "cuda" and not smoke:
         reset_compile(adapter)
-        apply_kernels("cudnn", True, "default", False, adapter, None, shapes=4, dynamic=True)
+        apply_kernels(KernelsConfig(attention="cudnn", compile=True), adapter, None, shapes=4)
         results["scopes_fast"] = bench_scopes_fast(adapter, device, args.steps, max(args.iters // 2, 3))
     for name in variants:
         try:

@@ -26,7 +26,7 @@ from pipeline.config import JobConfig, check_choices
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
 from pipeline.calibrate import SAVED
-from pipeline.kernels import check_attention, check_fp8, check_kernels
+from pipeline.kernels import check_fp8, check_kernels
 from pipeline.models import build_model, to_diffusers
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
@@ -61,7 +61,7 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
     if adapter.family not in TEXT_FAMILIES:
         raise UserError(f"bench.baseline=true supports the text-to-image families {list(TEXT_FAMILIES)}, not {adapter.family!r}")
-    check_attention(cfg.kernels.attention, adapter.family)
+    check_kernels(cfg.kernels, adapter.family)
 
     baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale, cfg.bench.baseline_batch)
     start = time.perf_counter()

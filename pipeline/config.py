@@ -85,6 +85,9 @@ class KernelsConfig:
     # model: compile the whole transformer; blocks: its repeated block once, reused by every block
     # (regional compilation: far shorter compiles, no fusion across blocks).
     compile_scope: str = "model"
+    # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
+    # (PixArt, SD3). Same math in wider matmuls; not bit-identical to the unfused layers.
+    fuse_qkv: bool = False
     # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
     fp8: bool = False
 

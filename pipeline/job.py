@@ -100,9 +100,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
         adapter = adapter or build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
         resolutions = sorted({(it.height, it.width) for it in items})
         k = cfg.kernels
-        kernels = apply_kernels(k.attention, k.compile, k.compile_mode, k.fp8, adapter,
-                                resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
-                                dynamic=k.compile_dynamic, scope=k.compile_scope)
+        kernels = apply_kernels(k, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8)
         stop.check()
 
         # 4b. bcg.ladder=auto: calibrate one step of this scope, choose, plan (saved so that a resumed

@@ -41,9 +41,16 @@ SDPA_OPS = {
 FLASH_ATTN_OP = "flash_attn"
 
 
-def check_kernels(kernels) -> None:
-    """What can be refused before any model exists: a backend whose package is missing."""
-    check_attention(kernels.attention, None)
+def check_kernels(kernels, family: str | None = None) -> None:
+    """What can be refused before the model is changed: a backend whose package is missing, settings
+    that exclude each other, a setting this family cannot use (`family` None: not known yet)."""
+    if kernels.fuse_qkv and kernels.attention == "flash_attn":
+        raise UserError("kernels.fuse_qkv=true replaces the attention processor and cannot be combined with "
+                        f"kernels.attention=flash_attn; choose one of {list(SDPA)} with it, or fuse_qkv=false")
+    check_attention(kernels.attention, family)
+    if kernels.fuse_qkv and family is not None and family not in FUSE_QKV_FAMILIES:
+        raise UserError(f"kernels.fuse_qkv=true: diffusers fuses the projections of model families "
+                        f"{list(FUSE_QKV_FAMILIES)}, not {family!r}; set kernels.fuse_qkv=false")
 
 
 def check_attention(name: str, family: str | None) -> None:
@@ -156,6 +163,18 @@ def use_flash_attn(transformer: torch.nn.Module, flash_attn_func: Callable | Non
     transformer.set_attn_processor(FlashAttnProcessor(flash_attn_func))
 
 
+# ---- fused projections --------------------------------------------------------------------------
+
+FUSE_QKV_FAMILIES = ("pixart", "sd3")
+
+
+def fuse_qkv(transformer: torch.nn.Module) -> int:
+    """diffusers' `fuse_qkv_projections`: q, k and v of each self-attention as one linear layer (k and
+    v of each cross-attention), with diffusers' fused attention processor -> attention layers fused."""
+    transformer.fuse_qkv_projections()
+    return sum(bool(getattr(m, "fused_projections", False)) for m in transformer.modules())
+
+
 # ---- torch.compile ------------------------------------------------------------------------------
 
 
@@ -216,6 +235,8 @@ def output_kernels(kernels) -> dict:
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
+    if kernels.fuse_qkv:
+        out["fuse_qkv"] = True
     if kernels.compile:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default
@@ -228,16 +249,20 @@ def output_kernels(kernels) -> dict:
 # ---- all of it, in order ------------------------------------------------------------------------
 
 
-def apply_kernels(attention: str, compile_: bool, compile_mode: str, fp8: bool, adapter,
-                  probe_size: tuple[int, int] | None, shapes: int, dynamic: bool = True, scope: str = "model") -> dict:
-    """Set the transformer's kernels (attention, then fp8, then compile) and observe which attention
-    backend serves its calls (one eager CFG forward, 1 row, at `probe_size`) -> stats.json's `kernels`."""
+def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: int) -> dict:
+    """Set the transformer's kernels from `kernels` (KernelsConfig): attention processor, fused
+    projections, then fp8, then compile; observe which attention backend serves its calls (one eager
+    CFG forward, 1 row, at `probe_size`) -> stats.json's `kernels`."""
     from bcg.buffers import StaticInputs
 
-    check_attention(attention, adapter.family)
+    check_kernels(kernels, adapter.family)
+    attention = kernels.attention
     if attention == "flash_attn":
         use_flash_attn(adapter.transformer)
-    report: dict = {"attention": attention, "compile": compile_, "fp8": fp8}
+    report: dict = {"attention": attention, "compile": kernels.compile, "fp8": kernels.fp8}
+    if kernels.fuse_qkv:
+        report["fused_attention_layers"] = fuse_qkv(adapter.transformer)
+        log.info("kernels: fused q|k|v projections in %d attention layers", report["fused_attention_layers"])
     if probe_size is not None:
         inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
         try:
@@ -248,10 +273,15 @@ def apply_kernels(attention: str, compile_: bool, compile_mode: str, fp8: bool, 
             log.warning("kernels: the attention probe ran out of memory; which backend serves attention is not known")
         report["attention_calls_per_forward"] = calls
         log.info("kernels: attention=%s; attention calls per CFG forward by backend: %s", attention, calls)
-    if fp8:
+    if kernels.fp8:
         report["fp8_linear_layers"] = quantize_fp8(adapter.transformer)
         log.info("kernels: %d linear layers in float8 (torchao)", report["fp8_linear_layers"])
-    if compile_:
-        report.update(compile_mode=compile_mode, compile_dynamic=dynamic, compile_scope=scope)
-        compile_transformer(adapter.transformer, compile_mode, shapes, dynamic, scope)
+        if not kernels.compile:
+            log.warning("kernels: float8 without kernels.compile scales activations in separate, unfused kernels: "
+                        "on the H200 a step took 1.6x as long as bf16 (docs/BENCHMARKS.md)")
+    if kernels.compile:
+        report.update(compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic,
+                      compile_scope=kernels.compile_scope)
+        compile_transformer(adapter.transformer, kernels.compile_mode, shapes, kernels.compile_dynamic,
+                            kernels.compile_scope)
     return report

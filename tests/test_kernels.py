@@ -11,9 +11,11 @@ import torch
 
 from conftest import cpu_job, model_config, rows, write_manifest
 from bcg.buffers import StaticInputs
+from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import FLASH_ATTN_OP, apply_kernels, check_attention, probe_attention, use_flash_attn, with_attention
+from pipeline.kernels import (FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, probe_attention, use_flash_attn,
+                              with_attention)
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -75,7 +77,33 @@ def test_missing_flash_attn_is_named_with_its_extra():
 
 def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
     with pytest.raises(UserError, match="kernels.fp8=true needs a CUDA GPU with float8 tensor cores"):
-        apply_kernels("auto", False, "default", True, tiny, None, shapes=1)
+        apply_kernels(KernelsConfig(fp8=True), tiny, None, shapes=1)
+
+
+def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
+    x = inputs(tiny)
+    with torch.no_grad():
+        reference = tiny.guided_eps(x)
+    report = apply_kernels(KernelsConfig(fuse_qkv=True), tiny, (64, 64), shapes=1)
+    assert report["fused_attention_layers"] == 2 * LAYERS
+    assert all(hasattr(b.attn1, "to_qkv") and hasattr(b.attn2, "to_kv") for b in tiny.transformer.transformer_blocks)
+    assert sum(report["attention_calls_per_forward"].values()) == 2 * LAYERS
+    with torch.no_grad():
+        out = tiny.guided_eps(x)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    run(cpu_job(manifest, tmp_path / "out"))
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):  # wider matmuls, other rounding
+        run(cpu_job(manifest, tmp_path / "out", "kernels.fuse_qkv=true"))
+
+
+def test_fused_projections_are_refused_where_diffusers_has_none(tmp_path):
+    dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
+    with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3'\], not 'dit'"):
+        apply_kernels(KernelsConfig(fuse_qkv=True), dit, None, shapes=1)
+    with pytest.raises(UserError, match="cannot be combined with kernels.attention=flash_attn"):
+        check_kernels(KernelsConfig(fuse_qkv=True, attention="flash_attn"))
 
 
 def test_job_reports_the_attention_backend_and_kernels_are_settings(tmp_path):
@@ -101,7 +129,7 @@ def test_regional_compile_compiles_each_block_and_computes_the_same(tiny):
     x = inputs(tiny)
     with torch.no_grad():
         reference = tiny.guided_eps(x)
-    report = apply_kernels("auto", True, "default", False, tiny, None, shapes=2, dynamic=False, scope="blocks")
+    report = apply_kernels(KernelsConfig(compile=True, compile_dynamic=False, compile_scope="blocks"), tiny, None, shapes=2)
     assert report["compile_scope"] == "blocks"
     blocks = tiny.transformer.transformer_blocks
     assert all(b._compiled_call_impl is not None for b in blocks) and tiny.transformer._compiled_call_impl is None

@@ -15,6 +15,7 @@ from bcg.engine import BCGEngine
 from conftest import cpu_job, model_config, png
 from jobs.make_demo_manifest import demo_table
 from pipeline.job import run
+from pipeline.config import KernelsConfig
 from pipeline.kernels import apply_kernels
 from pipeline.models import build_model
 from pipeline.precision import apply_precision
@@ -48,7 +49,7 @@ def demo(tmp_path):
 def test_compiled_transformer_replays_bit_identical_to_the_compiled_eager_path():
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     adapter = build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16)
-    report = apply_kernels("cudnn", True, "default", False, adapter, (64, 64), shapes=8, dynamic=True)
+    report = apply_kernels(KernelsConfig(attention="cudnn", compile=True), adapter, (64, 64), shapes=8)
     assert report["compile"] and sum(report["attention_calls_per_forward"].values()) == 4
     ladder, key = [1, 2, 4], (64, 64)
     specs = lambda k: adapter.input_specs(*k)  # noqa: E731
