@@ -98,6 +98,21 @@ def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
         run(cpu_job(manifest, tmp_path / "out", "kernels.fuse_qkv=true"))
 
 
+def test_fused_projections_in_sd3_compute_the_same():
+    sd3 = build_model(model_config("tiny_sd3"), torch.device("cpu"), torch.float32)
+    x = StaticInputs.allocate(sd3.input_specs(64, 64), 2, torch.device("cpu")).view(2)
+    gen = torch.Generator().manual_seed(0)
+    for value in x.values():
+        value.copy_(torch.randn(value.shape, generator=gen))
+    with torch.no_grad():
+        reference = sd3.guided_eps(x)
+    report = apply_kernels(KernelsConfig(fuse_qkv=True), sd3, None, shapes=1)
+    assert report["fused_attention_layers"] == len(sd3.transformer.transformer_blocks)
+    with torch.no_grad():
+        out = sd3.guided_eps(x)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_projections_are_refused_where_diffusers_has_none(tmp_path):
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3'\], not 'dit'"):
