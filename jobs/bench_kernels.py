@@ -13,6 +13,9 @@ On the GPU, from the repository root (random weights, bf16, TF32 off, cudnn.benc
    ms, TFLOP/s from the step's FLOPs (torch.utils.flop_counter, matmuls and attention) and the share
    of the matmul rate; compile seconds; whether replay equals the (compiled) eager call bit for bit.
 4. `bcg.scope` with the fastest variant at 512 px, 1 prompt, 20 steps: forward vs loop ms per image.
+5. `--profile`: where each variant's step goes. One eager call (the same kernels as the replay) under
+   torch.profiler, kernel time summed by category (matmul, attention, inductor's fused kernels,
+   other), and the TFLOP/s of matmul and attention from the FLOP counter's split by op.
 CPU check (tiny model, no graphs, no compile): `python jobs/bench_kernels.py --smoke --out /tmp/k.json`.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -89,10 +93,61 @@ def sdpa_rates(device: torch.device, iters: int, rows: int, tokens: int) -> dict
     return out
 
 
-def step_flops(adapter, inputs) -> int:
+# Kernel (CUDA) or op (CPU) name -> category; the first pattern that matches wins.
+CATEGORIES = (
+    ("attention", re.compile(r"attention|attn|fmha|flash|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|aten::(add)?mm$|aten::bmm$|aten::baddbmm$", re.I)),
+    ("fused (inductor)", re.compile(r"^triton_", re.I)),
+)
+
+
+def kernel_category(name: str) -> str:
+    return next((category for category, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def split_flops(by_op: dict) -> dict[str, int]:
+    """{aten op: FLOPs} -> attention and matmul (every other op counted). Attention is the SDPA ops,
+    and bmm: PixArt's linear layers are addmm/mm, and an SDPA the counter sees decomposed (the math
+    backend, the meta device) shows as bmm."""
+    split = {"attention": 0, "matmul": 0}
+    for op, flops in by_op.items():
+        name = str(op)
+        split["attention" if "attention" in name or name.endswith(".bmm") else "matmul"] += flops
+    return split
+
+
+def step_flops_by_kind(adapter, inputs) -> dict[str, int]:
+    """One CFG step's FLOPs (torch.utils.flop_counter), split by `split_flops`. The counter has no
+    formula for the CPU's SDPA kernel, so on the CPU attention counts 0; CUDA's backends count."""
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         adapter.guided_eps(inputs)
-    return counter.get_total_flops()
+    return split_flops(counter.get_flop_counts()["Global"])
+
+
+def profile_categories(call, device: torch.device, calls: int = 2) -> dict[str, float]:
+    """ms per call by category: CUDA kernel time on the GPU; on the CPU, each op's own (self) time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with torch.no_grad():
+        call()  # nothing lazy inside the profile
+        with profile(activities=[activity]) as prof:
+            for _ in range(calls):
+                call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if device.type == "cuda":
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = event.device_time
+        else:
+            us = event.self_cpu_time_total
+        category = kernel_category(event.name)
+        totals[category] = totals.get(category, 0.0) + us
+    return {category: round(us / 1e3 / calls, 3) for category, us in sorted(totals.items())}
 
 
 def reset_compile(adapter) -> None:
@@ -101,7 +156,7 @@ def reset_compile(adapter) -> None:
     torch._dynamo.reset()
 
 
-def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int) -> dict:
+def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int, profile: bool = False) -> dict:
     kernels = variant_kernels(name)
     reset_compile(adapter)
     start = time.perf_counter()
@@ -124,6 +179,8 @@ def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, it
     row = {"ms": round(ms, 3), "setup_s": round(setup_s, 2), "first_pass_s": round(engine.metrics.first_pass_s, 2),
            "replay_equals_eager": same, "attention_calls": report.get("attention_calls_per_forward"),
            "rel_err_vs_first": round(float(err), 5)}
+    if profile:
+        row["profile_ms"] = profile_categories(lambda: fn(inputs), device)
     engine.close()
     return row
 
@@ -161,6 +218,16 @@ def format_report(r: dict) -> str:
         lines.append(f"| {name} | {v['ms']:.1f} | {tflops:.0f} | {100 * tflops / rate:.1f}% | {v['first_pass_s']} | {v['replay_equals_eager']} | {v['rel_err_vs_first']} |")
     for name, why in r.get("variants_skipped", {}).items():
         lines.append(f"| {name} | skipped: {why} |")
+    profiled = {name: v["profile_ms"] for name, v in r["variants"].items() if "profile_ms" in v}
+    if profiled:
+        flops = r["step_flops_by_kind"]
+        lines += ["", "Kernel time per step by category (ms; TFLOP/s from the FLOP counter's split):",
+                  "| variant | matmul | attention | fused (inductor) | other | sum | matmul TFLOP/s | attention TFLOP/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, ms in profiled.items():
+            rate_of = lambda kind: f"{flops[kind] / (ms[kind] / 1e3) / 1e12:.0f}" if ms.get(kind) else "-"  # noqa: E731
+            lines.append(f"| {name} | {ms.get('matmul', 0)} | {ms.get('attention', 0)} | {ms.get('fused (inductor)', 0)} | "
+                         f"{ms.get('other', 0)} | {sum(ms.values()):.1f} | {rate_of('matmul')} | {rate_of('attention')} |")
     if "scopes_fast" in r:
         s = r["scopes_fast"]
         lines.append(f"512 px, 1 prompt, {r['steps']} steps, cudnn+compile: forward {s['forward']} ms, loop {s['loop']} ms "
@@ -176,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--no-scopes", action="store_true")
+    p.add_argument("--profile", action="store_true", help="kernel time per step by category, per variant")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
     args = p.parse_args(argv)
@@ -189,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
                "sdpa": sdpa_rates(device, args.iters, 2 if smoke else 16, 256 if smoke else 4096) if device.type == "cuda" else {}}
     adapter = pixart_adapter("tiny" if smoke else "pixart_sigma", device)
     inputs = make_inputs(adapter.input_specs(side, side), bucket, device)
-    results["step_tflop"] = step_flops(adapter, inputs) / 1e12
+    results["step_flops_by_kind"] = step_flops_by_kind(adapter, inputs)
+    results["step_tflop"] = sum(results["step_flops_by_kind"].values()) / 1e12
     results["variants"] = {}
     variants = [v for v in args.variants if device.type == "cuda" or not variant_kernels(v).compile]
     # Fused projections, then fp8, change the model for every later variant: they run last.
@@ -200,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["scopes_fast"] = bench_scopes_fast(adapter, device, args.steps, max(args.iters // 2, 3))
     for name in variants:
         try:
-            results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters)
+            results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters, args.profile)
         except UserError as err:  # fp8 without torchao or without float8 tensor cores
             results["variants_skipped"] = {**results.get("variants_skipped", {}), name: str(err)}
             continue

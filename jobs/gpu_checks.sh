@@ -6,7 +6,7 @@
 #   KERNELS="kernels.compile=true kernels.compile_scope=blocks bcg/ladder=pow2_16" bash jobs/gpu_checks.sh issue8
 #        # issue 8: +job=bench on 200 rows with those overrides; then fp8 vs bf16 (PSNR, images/s) on 60 rows
 #        # with the bench's own kernels (float8 under torch.compile did not compile within 5 minutes)
-#   bash jobs/gpu_checks.sh kernels      # issue 8: the kernel table: regional and whole-model compile, fused projections, fp8
+#   bash jobs/gpu_checks.sh kernels      # issue 8: the kernel table (regional and whole-model compile, fused projections, fp8), time by kernel category
 # Every step has its own hard time limit (a compile can outlast a polite SIGTERM: the job finishes its step first).
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
@@ -30,7 +30,7 @@ if [ "$what" = issue8 ]; then
   echo "== bench ${KERNELS:-} (rc=$bench_rc)"; grep -A10 "^| system" "$OUT/bench_job.log" | cut -c1-300; [ $bench_rc -ne 0 ] && tail -4 "$OUT/bench_job.log" | cut -c1-300
   echo "== fp8 vs bf16"; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do [ -f "$f" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
 elif [ "$what" = kernels ]; then
-  timeout -s KILL ${KERNELS_LIMIT:-290} python3 jobs/bench_kernels.py --iters 8 --no-scopes --variants cudnn cudnn+compile+blocks cudnn+fuse cudnn+fuse+compile+blocks cudnn+fuse+compile+static cudnn+fp8 --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
+  timeout -s KILL ${KERNELS_LIMIT:-290} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile --variants cudnn cudnn+compile+blocks cudnn+fuse cudnn+fuse+compile+blocks cudnn+fuse+compile+static cudnn+fp8 --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
   echo "== kernels"; grep -E "^\||TFLOP|Error" "$OUT/bench_kernels.log"
 elif [ "$what" = tests ]; then
   python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$OUT/pytest_cuda.log" 2>&1; cuda_rc=$?
