@@ -28,6 +28,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,28 +47,52 @@ from pipeline.errors import UserError
 from pipeline.kernels import SDPA, apply_kernels, with_attention
 from pipeline.precision import apply_precision
 
-# A variant is its attention backend and options joined by "+": compile (dynamic shapes, whole
-# model), static (one compile per shape), blocks (regional compile), autotune (inductor's
-# max-autotune-no-cudagraphs), fuse (fused q|k|v projections), fp8 (torchao; changes the weights:
-# runs last). Fused projections and fp8 weights stay for the variants after the first that asks.
+# A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
+# (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
+# (inductor's max-autotune-no-cudagraphs), fuse (fused q|k|v projections), fp8 (torchao float8).
+# fuse and fp8 change the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
 OPTIONS = ("compile", "static", "blocks", "autotune", "fuse", "fp8")
+COMPILE_OPTIONS = ("static", "blocks", "autotune")
 
 
 def variant_kernels(name: str) -> KernelsConfig:
     """'cudnn+fuse+compile+static' -> the KernelsConfig it names ('-' works as '+': cudnn+compile-static)."""
     attention, *options = name.replace("-", "+").split("+")
+    backends = [*SDPA, "auto"]
+    if attention not in backends:
+        raise SystemExit(f"variant {name!r}: {attention!r} is not an attention backend; choose one of {backends}")
     unknown = [o for o in options if o not in OPTIONS]
-    if attention not in (*SDPA, "auto", "flash_attn") or unknown:
-        raise SystemExit(f"variant {name!r}: an attention backend ({[*SDPA, 'auto', 'flash_attn']}) then options {list(OPTIONS)}")
+    if unknown:
+        raise SystemExit(f"variant {name!r}: options {unknown} are not known; choose from {list(OPTIONS)}")
+    uncompiled = [o for o in options if o in COMPILE_OPTIONS and "compile" not in options]
+    if uncompiled:
+        raise SystemExit(f"variant {name!r}: {uncompiled} set how to compile; add +compile")
     return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
                          compile_scope="blocks" if "blocks" in options else "model",
                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in options else "default",
                          fuse_qkv="fuse" in options, fp8="fp8" in options)
 
 
-REFERENCE: dict[str, torch.Tensor] = {}
-APPLIED: set[str] = set()  # model changes made by earlier variants (fuse, fp8)
+@dataclass
+class ModelState:
+    """What earlier variants of this run did to its one model. Fusing removes the unfused projections
+    and float8 replaces the weights, so neither can be undone, and fusing float8 weights would be
+    wrong: a variant that needs a state behind the model's is skipped, with the command to run it."""
+
+    fused: bool = False
+    fp8: bool = False
+    reference: torch.Tensor | None = None  # the first variant's output, for the error column
+
+    def changes_for(self, name: str, want: KernelsConfig) -> KernelsConfig:
+        """`want` with only the changes still to make (UserError: the state it needs is behind us)."""
+        if (self.fused and not want.fuse_qkv) or (self.fp8 and (not want.fp8 or want.fuse_qkv != self.fused)):
+            raise UserError(f"needs the model before earlier variants fused or quantized it: run it in its own "
+                            f"command (--variants {name})")
+        return replace(want, fuse_qkv=want.fuse_qkv and not self.fused, fp8=want.fp8 and not self.fp8)
+
+    def applied(self, done: KernelsConfig) -> None:
+        self.fused, self.fp8 = self.fused or done.fuse_qkv, self.fp8 or done.fp8
 
 
 def matmul_rate(device: torch.device, iters: int, n: int) -> float:
@@ -95,9 +120,10 @@ def sdpa_rates(device: torch.device, iters: int, rows: int, tokens: int) -> dict
 
 # Kernel (CUDA) or op (CPU) name -> category; the first pattern that matches wins.
 CATEGORIES = (
+    ("matmul", re.compile(r"^triton_(tem|mm)", re.I)),  # inductor's matmul templates (autotune)
+    ("fused (inductor)", re.compile(r"^triton_", re.I)),  # its generated kernels, whatever they fuse
     ("attention", re.compile(r"attention|attn|fmha|flash|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|aten::(add)?mm$|aten::bmm$|aten::baddbmm$", re.I)),
-    ("fused (inductor)", re.compile(r"^triton_", re.I)),
 )
 
 
@@ -156,16 +182,13 @@ def reset_compile(adapter) -> None:
     torch._dynamo.reset()
 
 
-def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int, profile: bool = False) -> dict:
-    kernels = variant_kernels(name)
+def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int, state: ModelState,
+                  profile: bool = False) -> dict:
+    kernels = state.changes_for(name, variant_kernels(name))
     reset_compile(adapter)
     start = time.perf_counter()
-    # Fused projections and float8 weights stay from the first variant that asked for them: fusing
-    # again would copy the weights again; quantizing float8 weights again fails in torchao.
-    kernels.fuse_qkv = kernels.fuse_qkv and "fuse" not in APPLIED
-    kernels.fp8 = kernels.fp8 and "fp8" not in APPLIED
     report = apply_kernels(kernels, adapter, (side, side), shapes=4)
-    APPLIED.update(k for k, on in (("fuse", kernels.fuse_qkv), ("fp8", kernels.fp8)) if on)
+    state.applied(kernels)
     fn = with_attention(adapter.guided_eps, kernels.attention, device.type)
     engine = BCGEngine(fn, lambda key: adapter.input_specs(*key), [bucket], device, warmup=3)
     engine.capture_all([(side, side)])
@@ -174,11 +197,12 @@ def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, it
     with torch.no_grad():
         replay, eager = engine.run((side, side), inputs, bucket), fn(inputs)
         same = bool(torch.equal(replay, eager))
-        reference = REFERENCE.setdefault("eps", eager.float())  # the first variant's output (auto, bf16)
-        err = (eager.float() - reference).norm() / reference.norm()
+        if state.reference is None:
+            state.reference = eager.float()
+        err = (eager.float() - state.reference).norm() / state.reference.norm()
     row = {"ms": round(ms, 3), "setup_s": round(setup_s, 2), "first_pass_s": round(engine.metrics.first_pass_s, 2),
            "replay_equals_eager": same, "attention_calls": report.get("attention_calls_per_forward"),
-           "rel_err_vs_first": round(float(err), 5)}
+           "rel_err_vs_first": round(float(err), 5), "fused": state.fused, "fp8": state.fp8}
     if profile:
         row["profile_ms"] = profile_categories(lambda: fn(inputs), device)
     engine.close()
@@ -263,14 +287,15 @@ def main(argv: list[str] | None = None) -> dict:
     variants = [v for v in args.variants if device.type == "cuda" or not variant_kernels(v).compile]
     # Fused projections, then fp8, change the model for every later variant: they run last.
     variants = sorted(variants, key=lambda v: (variant_kernels(v).fp8, variant_kernels(v).fuse_qkv))
+    state = ModelState()
     if not args.no_scopes and device.type == "cuda" and not smoke:
         reset_compile(adapter)
         apply_kernels(KernelsConfig(attention="cudnn", compile=True), adapter, None, shapes=4)
         results["scopes_fast"] = bench_scopes_fast(adapter, device, args.steps, max(args.iters // 2, 3))
     for name in variants:
         try:
-            results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters, args.profile)
-        except UserError as err:  # fp8 without torchao or without float8 tensor cores
+            results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters, state, args.profile)
+        except UserError as err:  # fp8 without torchao or float8 tensor cores; a model state behind us
             results["variants_skipped"] = {**results.get("variants_skipped", {}), name: str(err)}
             continue
         save_partial(results, args.out)

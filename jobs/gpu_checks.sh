@@ -8,11 +8,15 @@
 #        # with the bench's own kernels (float8 under torch.compile did not compile within 5 minutes)
 #   bash jobs/gpu_checks.sh kernels      # issue 8: the kernel table (regional and whole-model compile, fused projections, fp8), time by kernel category
 # Every step has its own hard time limit (a compile can outlast a polite SIGTERM: the job finishes its step first).
+# KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
+# Each step's exit code is printed with its summary; the script exits 1 if any step failed.
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 what=${1:-tests}
+fail=0
+rc() { echo "rc=$1"; [ "$1" -eq 0 ] || fail=1; }  # print a step's exit code; remember a failure
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 
@@ -23,34 +27,35 @@ if [ "$what" = issue8 ]; then
   cp /tmp/bench/bench.json "$OUT/bench_job.json" 2>/dev/null
   for fp8 in false true; do
     rm -rf /tmp/fp8-$fp8
-    timeout -s KILL 150 python3 -m pipeline.run +job=bench bench.baseline=false kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$OUT/fp8_$fp8.log" 2>&1
+    timeout -s KILL 150 python3 -m pipeline.run +job=bench bench.baseline=false kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
     cp /tmp/fp8-$fp8/stats.json "$OUT/fp8_$fp8.json" 2>/dev/null
   done
-  python3 jobs/compare_images.py /tmp/fp8-false /tmp/fp8-true --json "$OUT/fp8_vs_bf16.json" > "$OUT/fp8_vs_bf16.log" 2>&1
-  echo "== bench ${KERNELS:-} (rc=$bench_rc)"; grep -A10 "^| system" "$OUT/bench_job.log" | cut -c1-300; [ $bench_rc -ne 0 ] && tail -4 "$OUT/bench_job.log" | cut -c1-300
-  echo "== fp8 vs bf16"; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do [ -f "$f" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
+  python3 jobs/compare_images.py /tmp/fp8-false /tmp/fp8-true --json "$OUT/fp8_vs_bf16.json" > "$OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
+  echo "== bench ${KERNELS:-}"; rc $bench_rc; grep -A10 "^| system" "$OUT/bench_job.log" | cut -c1-300; [ $bench_rc -ne 0 ] && tail -4 "$OUT/bench_job.log" | cut -c1-300
+  echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do [ -f "$f" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
 elif [ "$what" = kernels ]; then
-  timeout -s KILL ${KERNELS_LIMIT:-290} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile --variants cudnn cudnn+compile+blocks cudnn+fuse cudnn+fuse+compile+blocks cudnn+fuse+compile+static cudnn+fp8 --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
-  echo "== kernels"; grep -E "^\||TFLOP|Error" "$OUT/bench_kernels.log"
+  timeout -s KILL ${KERNELS_LIMIT:-290} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile --variants cudnn cudnn+compile+blocks cudnn+fuse cudnn+fuse+compile+blocks cudnn+fuse+compile+static cudnn+fuse+fp8 --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1; kernels_rc=$?
+  echo "== kernels"; rc $kernels_rc; grep -E "^\||TFLOP|Error" "$OUT/bench_kernels.log"
 elif [ "$what" = tests ]; then
   python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$OUT/pytest_cuda.log" 2>&1; cuda_rc=$?
   python3 -m pytest -p no:cacheprovider -q -m "not cuda" > "$OUT/pytest_cpu.log" 2>&1; cpu_rc=$?
   python3 jobs/bench_scopes.py --out "$OUT/bench_scopes.json" > "$OUT/bench_scopes.log" 2>&1; scopes_rc=$?
   rm -rf /tmp/gpu-demo
   python3 -m pipeline.run +job=demo runtime.device=cuda precision=bf16 output.dir=/tmp/gpu-demo > "$OUT/demo.log" 2>&1; demo_rc=$?
-  echo "== pytest cuda (rc=$cuda_rc)"; grep -E "PASSED|FAILED|ERROR|forward vs step" "$OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$OUT/pytest_cuda.log"
-  echo "== pytest not-cuda (rc=$cpu_rc)"; tail -2 "$OUT/pytest_cpu.log"
-  echo "== scopes (rc=$scopes_rc)"; tail -12 "$OUT/bench_scopes.log"
-  echo "== demo (rc=$demo_rc)"; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
+  echo "== pytest cuda"; rc $cuda_rc; grep -E "PASSED|FAILED|ERROR|forward vs step" "$OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$OUT/pytest_cuda.log"
+  echo "== pytest not-cuda"; rc $cpu_rc; tail -2 "$OUT/pytest_cpu.log"
+  echo "== scopes"; rc $scopes_rc; tail -12 "$OUT/bench_scopes.log"
+  echo "== demo"; rc $demo_rc; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
 else
   python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$OUT/pytest_cuda.log" 2>&1; cuda_rc=$?
   rm -rf /tmp/gpu-demo
   python3 -m pipeline.run +job=demo runtime.device=cuda precision=bf16 output.dir=/tmp/gpu-demo > "$OUT/demo.log" 2>&1; demo_rc=$?
   cp /tmp/gpu-demo/stats.json "$OUT/demo_stats.json"
-  echo "== pytest cuda (rc=$cuda_rc)"; grep -E "PASSED|FAILED|ERROR|forward vs step" "$OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$OUT/pytest_cuda.log"
-  echo "== demo (rc=$demo_rc)"; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
+  echo "== pytest cuda"; rc $cuda_rc; grep -E "PASSED|FAILED|ERROR|forward vs step" "$OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$OUT/pytest_cuda.log"
+  echo "== demo"; rc $demo_rc; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
   python3 jobs/bench_diffusers.py --scopes forward loop --graph-warmup 1 --out "$OUT/bench_diffusers.json" > "$OUT/bench_diffusers.log" 2>&1; diff_rc=$?
-  echo "== diffusers speed (rc=$diff_rc)"; tail -14 "$OUT/bench_diffusers.log"
+  echo "== diffusers speed"; rc $diff_rc; tail -14 "$OUT/bench_diffusers.log"
   python3 jobs/bench_diffusers.py --parity --out "$OUT/parity_diffusers.json" > "$OUT/parity_diffusers.log" 2>&1; parity_rc=$?
-  echo "== diffusers parity (rc=$parity_rc)"; tail -16 "$OUT/parity_diffusers.log"
+  echo "== diffusers parity"; rc $parity_rc; tail -16 "$OUT/parity_diffusers.log"
 fi
+exit $fail

@@ -26,7 +26,7 @@ from pipeline.config import JobConfig, check_choices
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
 from pipeline.calibrate import SAVED
-from pipeline.kernels import check_fp8, check_kernels
+from pipeline.kernels import check_kernels
 from pipeline.models import build_model, to_diffusers
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
@@ -38,7 +38,7 @@ TEXT_FAMILIES = ("pixart", "sd3")
 
 
 def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
-    from pipeline.job import read_valid_manifest, run
+    from pipeline.job import check_job_kernels, read_valid_manifest, run
 
     # What the job would refuse, refused before the baseline spends its minutes.
     check_choices(cfg)
@@ -47,14 +47,12 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
         raise UserError(f"+job=bench: manifest {cfg.manifest.path} has no valid row to compare on")
     if cfg.shard.count > 1:
         raise UserError("+job=bench runs one process: shard.count must be 1")
-    check_kernels(cfg.kernels)
     out_dir = Path(cfg.output.dir)
     if any((out_dir / SHARDS_DIR).glob("*.parquet")) or (out_dir / SAVED).exists():
         raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches or a "
                         "ladder choice, which our job would reuse and the comparison would not count")
     device = resolve_device(cfg.runtime.device, 0)
-    if cfg.kernels.fp8:
-        check_fp8(device)
+    check_job_kernels(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)

@@ -86,7 +86,7 @@ class KernelsConfig:
     # (regional compilation: far shorter compiles, no fusion across blocks).
     compile_scope: str = "model"
     # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
-    # (PixArt, SD3). Same math in wider matmuls; not bit-identical to the unfused layers.
+    # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ (equal on the H200 at 1024 px).
     fuse_qkv: bool = False
     # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
     fp8: bool = False

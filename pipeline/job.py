@@ -26,7 +26,7 @@ from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
-from pipeline.kernels import apply_kernels, output_kernels, with_attention
+from pipeline.kernels import apply_kernels, check_kernels, output_kernels, with_attention
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
@@ -46,6 +46,12 @@ ERRORS = "errors.parquet"
 PROMPT_CACHE_ENTRIES = 4096
 
 
+def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
+    """The kernel settings refused before the model is built (a pretrained checkpoint's family is
+    known only once its model_index.json is read; apply_kernels checks again then)."""
+    check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
+
+
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=None) -> dict:
     """Run the job (or this process's shard of it); returns this part's stats. User errors raise
     ValueError subclasses (ManifestError, ResumeConflict, LockedError) before anything is generated;
@@ -58,6 +64,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     device = resolve_device(cfg.runtime.device, shard.index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    check_job_kernels(cfg, device)
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
     out_dir = Path(cfg.output.dir)
 

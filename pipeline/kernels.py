@@ -41,9 +41,10 @@ SDPA_OPS = {
 FLASH_ATTN_OP = "flash_attn"
 
 
-def check_kernels(kernels, family: str | None = None) -> None:
-    """What can be refused before the model is changed: a backend whose package is missing, settings
-    that exclude each other, a setting this family cannot use (`family` None: not known yet)."""
+def check_kernels(kernels, family: str | None = None, device: torch.device | None = None) -> None:
+    """What can be refused before the model is built or changed: a backend whose package is missing,
+    settings that exclude each other, a setting this family cannot use, fp8 on a device without
+    float8 tensor cores (`family`, `device` None: not known yet)."""
     if kernels.fuse_qkv and kernels.attention == "flash_attn":
         raise UserError("kernels.fuse_qkv=true replaces the attention processor and cannot be combined with "
                         f"kernels.attention=flash_attn; choose one of {list(SDPA)} with it, or fuse_qkv=false")
@@ -51,6 +52,8 @@ def check_kernels(kernels, family: str | None = None) -> None:
     if kernels.fuse_qkv and family is not None and family not in FUSE_QKV_FAMILIES:
         raise UserError(f"kernels.fuse_qkv=true: diffusers fuses the projections of model families "
                         f"{list(FUSE_QKV_FAMILIES)}, not {family!r}; set kernels.fuse_qkv=false")
+    if kernels.fp8 and device is not None:
+        check_fp8(device)
 
 
 def check_attention(name: str, family: str | None) -> None:
@@ -170,9 +173,28 @@ FUSE_QKV_FAMILIES = ("pixart", "sd3")
 
 def fuse_qkv(transformer: torch.nn.Module) -> int:
     """diffusers' `fuse_qkv_projections`: q, k and v of each self-attention as one linear layer (k and
-    v of each cross-attention), with diffusers' fused attention processor -> attention layers fused."""
+    v of each cross-attention), with diffusers' fused attention processor; the projections the fused
+    processor no longer reads are removed (no dead weights in memory or in fp8's count) -> attention
+    layers fused. Refused where diffusers' fused processor would compute something else."""
+    from diffusers.models.attention_processor import Attention
+
+    attentions = [m for m in transformer.modules() if isinstance(m, Attention)]
+    if type(transformer).__name__ == "SD3Transformer2DModel":
+        # diffusers' FusedJointAttnProcessor2_0 applies no q/k norm and needs the text stream in every
+        # attention: SD3.5's qk norm and its second (image-only) attention would silently change.
+        odd = [name for name, m in transformer.named_modules() if isinstance(m, Attention)
+               and (m.norm_q is not None or getattr(m, "norm_added_q", None) is not None or m.add_q_proj is None)]
+        if odd:
+            raise UserError(f"kernels.fuse_qkv=true: diffusers' fused SD3 attention ignores q/k norms and needs the "
+                            f"text stream, which {odd[0]} (and {len(odd) - 1} more) use or lack; set kernels.fuse_qkv=false")
     transformer.fuse_qkv_projections()
-    return sum(bool(getattr(m, "fused_projections", False)) for m in transformer.modules())
+    for m in attentions:
+        unused = ("to_k", "to_v") if m.is_cross_attention else ("to_q", "to_k", "to_v")
+        if getattr(m, "to_added_qkv", None) is not None:
+            unused += ("add_q_proj", "add_k_proj", "add_v_proj")
+        for name in unused:
+            delattr(m, name)
+    return len(attentions)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
@@ -255,7 +277,7 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
     CFG forward, 1 row, at `probe_size`) -> stats.json's `kernels`."""
     from bcg.buffers import StaticInputs
 
-    check_kernels(kernels, adapter.family)
+    check_kernels(kernels, adapter.family, adapter.device)
     attention = kernels.attention
     if attention == "flash_attn":
         use_flash_attn(adapter.transformer)

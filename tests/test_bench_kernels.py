@@ -10,7 +10,8 @@ import torch
 
 from conftest import model_config
 from jobs.bench_engine import make_inputs
-from jobs.bench_kernels import kernel_category, main, split_flops, step_flops_by_kind, variant_kernels
+from jobs.bench_kernels import ModelState, kernel_category, main, split_flops, step_flops_by_kind, variant_kernels
+from pipeline.errors import UserError
 from pipeline.models import build_model
 
 
@@ -21,6 +22,8 @@ from pipeline.models import build_model
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
     ("aten::addmm", "matmul"),
     ("triton_poi_fused_add_mul_native_layer_norm_0", "fused (inductor)"),
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention_0", "fused (inductor)"),  # a layout copy, not attention
+    ("triton_tem_fused_addmm_0", "matmul"),  # inductor's matmul template
     ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "other"),
     ("aten::addmm_backward_like_name_that_is_not_a_matmul_op", "other"),
 ])
@@ -40,8 +43,29 @@ def test_flop_split_counts_attention_and_matmul_apart():
 def test_variant_names_map_to_kernel_settings():
     k = variant_kernels("cudnn+fuse+compile-blocks+static")
     assert (k.attention, k.fuse_qkv, k.compile, k.compile_scope, k.compile_dynamic, k.fp8) == ("cudnn", True, True, "blocks", False, False)
-    with pytest.raises(SystemExit, match="an attention backend"):
+    with pytest.raises(SystemExit, match=r"options \['turbo'\] are not known"):
         variant_kernels("cudnn+turbo")
+    with pytest.raises(SystemExit, match=r"\['blocks'\] set how to compile; add \+compile"):
+        variant_kernels("cudnn+blocks")
+    with pytest.raises(SystemExit, match="'flash_attn' is not an attention backend"):
+        variant_kernels("flash_attn")
+
+
+def test_model_changes_of_earlier_variants_are_kept_or_refused_never_undone():
+    state = ModelState()
+    first = state.changes_for("cudnn+fuse", variant_kernels("cudnn+fuse"))
+    assert first.fuse_qkv
+    state.applied(first)
+    again = state.changes_for("cudnn+fuse+compile", variant_kernels("cudnn+fuse+compile"))
+    assert not again.fuse_qkv and again.compile  # already fused: nothing to fuse twice
+    with pytest.raises(UserError, match=r"run it in its own command \(--variants cudnn\)"):
+        state.changes_for("cudnn", variant_kernels("cudnn"))  # the unfused projections are gone
+    quantized = state.changes_for("cudnn+fuse+fp8", variant_kernels("cudnn+fuse+fp8"))
+    assert quantized.fp8 and not quantized.fuse_qkv
+    state.applied(quantized)
+    assert (state.fused, state.fp8) == (True, True)
+    with pytest.raises(UserError, match="before earlier variants fused or quantized it"):
+        ModelState(fp8=True).changes_for("cudnn+fuse+fp8", variant_kernels("cudnn+fuse+fp8"))  # never fuse float8 weights
 
 
 def test_profiled_smoke_run_reports_time_by_category(tmp_path):
@@ -49,5 +73,5 @@ def test_profiled_smoke_run_reports_time_by_category(tmp_path):
     main(["--smoke", "--profile", "--variants", "math", "--out", str(out)])
     result = json.loads(out.read_text())
     profile = result["variants"]["math"]["profile_ms"]
-    assert profile["matmul"] > 0 and sum(profile.values()) > 0
-    assert result["step_tflop"] * 1e12 == pytest.approx(sum(result["step_flops_by_kind"].values()))
+    assert profile["matmul"] > 0 and set(profile) <= {"matmul", "attention", "fused (inductor)", "other"}
+    assert result["variants"]["math"]["fused"] is False

@@ -80,13 +80,29 @@ def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
         apply_kernels(KernelsConfig(fp8=True), tiny, None, shapes=1)
 
 
+def test_fp8_without_compile_says_what_it_costs(tiny, monkeypatch, caplog):
+    import pipeline.kernels as kernels
+
+    monkeypatch.setattr(kernels, "check_fp8", lambda device: None)  # float8 needs sm89+: stand in for it
+    monkeypatch.setattr(kernels, "quantize_fp8", lambda transformer: 0)
+    with caplog.at_level("WARNING", logger="pipeline.kernels"):
+        apply_kernels(KernelsConfig(fp8=True), tiny, None, shapes=1)
+    assert "float8 without kernels.compile" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.kernels"):
+        apply_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), tiny, None, shapes=1)
+    assert "float8 without kernels.compile" not in caplog.text
+
+
 def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
     x = inputs(tiny)
     with torch.no_grad():
         reference = tiny.guided_eps(x)
     report = apply_kernels(KernelsConfig(fuse_qkv=True), tiny, (64, 64), shapes=1)
     assert report["fused_attention_layers"] == 2 * LAYERS
-    assert all(hasattr(b.attn1, "to_qkv") and hasattr(b.attn2, "to_kv") for b in tiny.transformer.transformer_blocks)
+    blocks = tiny.transformer.transformer_blocks
+    assert all(hasattr(b.attn1, "to_qkv") and hasattr(b.attn2, "to_kv") for b in blocks)
+    assert not any(hasattr(b.attn1, "to_q") or hasattr(b.attn2, "to_k") for b in blocks)  # no dead weights kept
     assert sum(report["attention_calls_per_forward"].values()) == 2 * LAYERS
     with torch.no_grad():
         out = tiny.guided_eps(x)
@@ -94,7 +110,7 @@ def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
 
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     run(cpu_job(manifest, tmp_path / "out"))
-    with pytest.raises(ResumeConflict, match="kernels other than the default"):  # wider matmuls, other rounding
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):  # wider matmuls may round differently
         run(cpu_job(manifest, tmp_path / "out", "kernels.fuse_qkv=true"))
 
 
@@ -113,12 +129,24 @@ def test_fused_projections_in_sd3_compute_the_same():
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_projections_are_refused_where_diffusers_fused_sd3_attention_would_differ():
+    cfg = model_config("tiny_sd3")
+    cfg.arch["transformer"]["qk_norm"] = "rms_norm"  # SD3.5's q/k norm, which the fused processor skips
+    sd35 = build_model(cfg, torch.device("cpu"), torch.float32)
+    with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: diffusers' fused SD3 attention ignores q/k norms"):
+        apply_kernels(KernelsConfig(fuse_qkv=True), sd35, None, shapes=1)
+
+
 def test_fused_projections_are_refused_where_diffusers_has_none(tmp_path):
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3'\], not 'dit'"):
         apply_kernels(KernelsConfig(fuse_qkv=True), dit, None, shapes=1)
     with pytest.raises(UserError, match="cannot be combined with kernels.attention=flash_attn"):
         check_kernels(KernelsConfig(fuse_qkv=True, attention="flash_attn"))
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*not 'dit'"):  # at start, before any model
+        run(cpu_job(manifest, tmp_path / "out", "model=tiny_dit", "kernels.fuse_qkv=true"))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.parquet"))
 
 
 def test_job_reports_the_attention_backend_and_kernels_are_settings(tmp_path):
