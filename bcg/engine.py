@@ -21,7 +21,7 @@ import torch
 
 from bcg.buckets import parse_ladder, pick_bucket
 from bcg.buffers import InputSpec, StaticInputs, pad_rows
-from bcg.memory import GraphNeed, check_pool_limit, predict_pool_bytes, predict_separate_pools_bytes
+from bcg.memory import MIB, GraphNeed, check_pool_limit, predict_pool_bytes, predict_separate_pools_bytes
 from bcg.metrics import EngineMetrics, GraphRecord, graph_name
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class BCGEngine:
         self.metrics.pool_bytes = torch.cuda.memory_reserved(self.device) - base
         log.info(
             "BCG: %d graphs captured in %.2f s; pool %.1f MiB (predicted %.1f MiB)",
-            len(self.graphs), self.metrics.capture_s, self.metrics.pool_bytes / 2**20, predicted / 2**20,
+            len(self.graphs), self.metrics.capture_s, self.metrics.pool_bytes / MIB, predicted / MIB,
         )
 
     def _allocate(self, key: ShapeKey) -> None:

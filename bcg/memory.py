@@ -8,7 +8,13 @@ from typing import Sequence
 from bcg.errors import BCGConfigError
 
 GIB = 2**30
-SMALL_SEGMENT = 2 * 2**20  # the CUDA caching allocator's segment for blocks under 1 MiB
+MIB = 2**20
+SMALL_SEGMENT = 2 * MIB  # the CUDA caching allocator's segment for blocks under 1 MiB
+
+
+def mib(n_bytes: float) -> float:
+    """Bytes as MiB, one decimal: how reports show pool sizes."""
+    return round(n_bytes / MIB, 1)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bcg.memory import mib
 from pipeline.config import JobConfig, check_choices
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
@@ -79,7 +80,7 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
             "generate_images_per_s": report["images_per_s"],
             "stage_s": report["stage_s"],
             "padded_row_share": round(report["padded_rows"] / max(ok + report["padded_rows"], 1), 4),
-            "graph_pool_mib": round(stats_bcg["pool_bytes"] / 2**20, 1),
+            "graph_pool_mib": mib(stats_bcg["pool_bytes"]),
             "capture_s": stats_bcg["capture_s"],
             "warmup_s": stats_bcg["warmup_s"],
             "gpu_busy": (report.get("gpu_busy") or {}).get("fraction"),

@@ -25,7 +25,7 @@ from bcg.autoladder import LadderChoice, Measurement, choose_ladder, describe
 from bcg.buffers import StaticInputs
 from bcg.engine import BCGEngine
 from bcg.errors import BCGConfigError
-from bcg.memory import GIB, GraphNeed
+from bcg.memory import GIB, GraphNeed, mib
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
 
@@ -48,7 +48,7 @@ def fingerprint(counts: dict[tuple[int, int], int], sizes, pool_limit_gib, pool_
                 settings: str) -> str:
     """What a choice depends on: rows per resolution, the calibrated sizes, the pool limit and
     margin, whether graphs were on, and every setting an image (and a step's time) depends on."""
-    what = {"counts": {f"{h}x{w}": n for (h, w), n in sorted(counts.items())}, "sizes": list(sizes),
+    what = {"counts": {_key(res): n for res, n in sorted(counts.items())}, "sizes": list(sizes),
             "pool_limit_gib": pool_limit_gib, "pool_margin": pool_margin, "graphs": graphs, "settings": settings}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -76,8 +76,13 @@ def save_choice(out_dir: Path, costs: Costs, print_: str, report: dict) -> None:
     """`report` (auto_ladder's) holds the chosen ladder; saved with the costs and the fingerprint."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     body = {"ladder": report["chosen"], "fingerprint": print_,
-            "costs": {f"{h}x{w}": {str(b): s for b, s in t.items()} for (h, w), t in costs.items()}, **report}
+            "costs": {_key(res): {str(b): s for b, s in t.items()} for res, t in costs.items()}, **report}
     atomic_write_text(Path(out_dir) / SAVED, json.dumps(body, indent=2))
+
+
+def _key(resolution: tuple[int, int]) -> str:
+    """(height, width) -> "HxW", the resolution's key in ladder.json; `_res` reads it back."""
+    return "{}x{}".format(*resolution)
 
 
 def _res(key: str) -> tuple[int, int]:
@@ -142,13 +147,13 @@ def auto_ladder(fn, spec_fn, counts: dict[tuple[int, int], int], sizes: list[int
     report = {
         "chosen": list(choice.ladder),
         "predicted_denoise_s": round(choice.predicted_s, 4),
-        "predicted_pool_mib": round(choice.pool_bytes / 2**20, 1),
+        "predicted_pool_mib": mib(choice.pool_bytes),
         "calibration_s": round(calibration_s, 3),
         "sizes": list(sizes),
         "dropped_sizes": {str(b): why for b, why in dropped.items()},
-        "step_s": {f"{m.height}x{m.width}-b{m.bucket}": round(m.step_s, 6) for m in measurements},
+        "step_s": {f"{_key((m.height, m.width))}-b{m.bucket}": round(m.step_s, 6) for m in measurements},
         "options": [
-            {"ladder": list(o.ladder), "predicted_s": round(o.predicted_s, 4), "pool_mib": round(o.pool_bytes / 2**20, 1),
+            {"ladder": list(o.ladder), "predicted_s": round(o.predicted_s, 4), "pool_mib": mib(o.pool_bytes),
              "batches": o.batches, "padded_rows": o.padded_rows, "fits": o.fits}
             for o in choice.options[:8]
         ],

@@ -210,9 +210,10 @@ def read_valid_manifest(cfg: JobConfig):
     items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
     items, bad = check_items(cfg.model, items, bad)  # the family's own row checks (DiT class names)
     extras = extra_schema(cfg.manifest.path)
-    if reserved_columns(extras):
+    clashing = reserved_columns(extras)
+    if clashing:
         raise ManifestError(
-            f"manifest {cfg.manifest.path}: column(s) {reserved_columns(extras)} would overwrite output metadata "
+            f"manifest {cfg.manifest.path}: column(s) {clashing} would overwrite output metadata "
             "of the same name; rename them"
         )
     if bad and cfg.manifest.on_invalid == "error":
@@ -243,8 +244,6 @@ def engine_factory(cfg: JobConfig, ladder, device: torch.device):
                          warmup=b.warmup, lazy=b.lazy, pool_limit_gib=b.pool_limit_gib, pool_margin=b.pool_margin)
 
     return make
-
-
 
 
 def job_fields(cfg: JobConfig, model: str, sampler: str, precision: dict) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from bcg.memory import MIB
 from pipeline.fsutil import atomic_write_bytes, atomic_write_text
 from pipeline.merge import STATS
 
@@ -29,7 +30,6 @@ FIELDS = (
     "best", "job", "status", "ladder", "scope", "images_ok", "images_per_s", "generate_s", "wall_s",
     "padded_rows", "graph_pool_mib", "capture_s", "gpu_busy",
 )  # then one `<stage>_s` column per stage in stats["stage_s"], then `note`
-MIB = 2**20
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
