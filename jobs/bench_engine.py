@@ -275,6 +275,13 @@ def bench_compile(subject: Subject, side: int, device: torch.device, warmup: int
             "compile_s": sum(first_calls_s), "step_ms": step_ms}
 
 
+def bench_device() -> torch.device:
+    """Every benchmark's device (the GPU when there is one) with the job's numerics: bf16, TF32 off,
+    cudnn.benchmark off."""
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def environment(device: torch.device, args: argparse.Namespace) -> dict:
     return {
         "command": " ".join([sys.executable, *sys.argv]),
@@ -355,8 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    device = bench_device()
     results = {"environment": environment(device, args), "models": {}}
     for model in args.models:
         full_sides = args.resolutions if model == "pixart" else [load_model_conf("dit_xl_2_256")["max_side"]]

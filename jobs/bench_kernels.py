@@ -40,19 +40,19 @@ from torch.nn.attention import sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bcg.engine import BCGEngine
-from jobs.bench_engine import environment, make_inputs, pixart_adapter, save_and_report, time_calls
+from jobs.bench_engine import bench_device, environment, make_inputs, pixart_adapter, save_and_report, time_calls
 from jobs.bench_scopes import make_denoiser, random_batch, time_denoise
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.kernels import SDPA, apply_kernels, with_attention
-from pipeline.precision import apply_precision
 
 # A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
-# (inductor's max-autotune-no-cudagraphs), fuse (fused q|k|v projections), fp8 (torchao float8).
+# (inductor's max-autotune-no-cudagraphs), fuse (fused q|k|v projections), fp8 (torchao float8),
+# gelu (the feed-forward's GELU in the matmul's epilogue).
 # fuse and fp8 change the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
-OPTIONS = ("compile", "static", "blocks", "autotune", "fuse", "fp8")
+OPTIONS = ("compile", "static", "blocks", "autotune", "fuse", "fp8", "gelu")
 COMPILE_OPTIONS = ("static", "blocks", "autotune")
 
 
@@ -71,7 +71,7 @@ def variant_kernels(name: str) -> KernelsConfig:
     return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
                          compile_scope="blocks" if "blocks" in options else "model",
                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in options else "default",
-                         fuse_qkv="fuse" in options, fp8="fp8" in options)
+                         fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options)
 
 
 @dataclass
@@ -101,6 +101,20 @@ def matmul_rate(device: torch.device, iters: int, n: int) -> float:
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
+def sustained_matmul_rate(device: torch.device, n: int, seconds: float = 3.0) -> float:
+    """The bf16 matmul rate when the GPU is kept busy for `seconds` (as a step keeps it), where the
+    reference rate is the best of short bursts: power and clock limits show between the two."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    calls = max(1, int(seconds / (time_calls(lambda: torch.mm(a, b), device, 2, 3) / 1e3)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        torch.mm(a, b)
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * calls / (start.elapsed_time(end) / 1e3) / 1e12
+
+
 def sdpa_rates(device: torch.device, iters: int, rows: int, tokens: int) -> dict:
     q, k, v = (torch.randn(rows, 16, tokens, 72, device=device, dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * rows * 16 * tokens**2 * 72
@@ -116,6 +130,56 @@ def sdpa_rates(device: torch.device, iters: int, rows: int, tokens: int) -> dict
                 continue
         out[name] = {"ms": round(ms, 3), "tflops": round(flops / (ms / 1e3) / 1e12, 1)}
     return out
+
+
+def attention_in_step(device: torch.device, iters: int, rows: int = 16, tokens: int = 4096, text: int = 300) -> dict:
+    """SDPA as PixArt's step calls it, against the plain BHND benchmark: self-attention on q/k/v
+    that are transposed views of [B, N, H*D] projections, and cross-attention of the N image tokens
+    to the `text` caption tokens under diffusers' additive mask [B, H, 1, text] (with no mask, and
+    with the keys cut to 128, for comparison). ms and TFLOP/s (4*B*H*Nq*Nk*D) per backend."""
+    heads, dim = 16, 72
+    dtype = torch.bfloat16
+
+    def views(n):  # [B, n, H*D] -> [B, H, n, D] views, as diffusers' AttnProcessor2_0 makes them
+        return torch.randn(rows, n, heads * dim, device=device, dtype=dtype).view(rows, n, heads, dim).transpose(1, 2)
+
+    q = views(tokens)
+    mask = torch.zeros(rows, heads, 1, text, device=device, dtype=dtype)
+    mask[..., text // 4:] = -10000.0  # a short caption: three quarters of the keys are padding
+    cases = {
+        "self, BHND contiguous": (q.contiguous(), q.contiguous(), q.contiguous(), None),
+        "self, transposed views": (q, views(tokens), views(tokens), None),
+        f"cross to {text}, additive mask": (q, views(text), views(text), mask),
+        f"cross to {text}, no mask": (q, views(text), views(text), None),
+        "cross to 128, additive mask": (q, views(128), views(128), mask[..., :128].contiguous()),
+    }
+    out: dict = {}
+    for case, (qq, k, v, m) in cases.items():
+        flops = 4 * rows * heads * tokens * k.shape[2] * dim
+        for name in ("cudnn", "efficient"):
+            with sdpa_kernel([SDPA[name]]):
+                try:
+                    ms = time_calls(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v, attn_mask=m), device, 3, iters)
+                except RuntimeError as err:
+                    out[f"{case} [{name}]"] = {"error": str(err).splitlines()[0][:120]}
+                    continue
+            out[f"{case} [{name}]"] = {"ms": round(ms, 3), "tflops": round(flops / (ms / 1e3) / 1e12, 1)}
+    return out
+
+
+def gelu_epilogue(device: torch.device, iters: int, tokens: int = 65536, dim: int = 1152, hidden: int = 4608) -> dict:
+    """PixArt's feed-forward up-projection and tanh GELU: linear, then gelu (eager: two kernels), vs
+    one cuBLASLt matmul with the bias and GELU in its epilogue (torch._addmm_activation)."""
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    w = torch.randn(hidden, dim, device=device, dtype=torch.bfloat16) / dim**0.5
+    b = torch.randn(hidden, device=device, dtype=torch.bfloat16)
+    two = lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")  # noqa: E731
+    one = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)  # noqa: E731
+    with torch.no_grad():
+        diff = (two().float() - one().float()).abs()
+    return {"linear_then_gelu_ms": round(time_calls(two, device, 3, iters), 3),
+            "epilogue_ms": round(time_calls(one, device, 3, iters), 3),
+            "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
 
 
 # Kernel (CUDA) or op (CPU) name -> category; the first pattern that matches wins.
@@ -150,8 +214,9 @@ def step_flops_by_kind(adapter, inputs) -> dict[str, int]:
     return split_flops(counter.get_flop_counts()["Global"])
 
 
-def profile_categories(call, device: torch.device, calls: int = 2) -> dict[str, float]:
-    """ms per call by category: CUDA kernel time on the GPU; on the CPU, each op's own (self) time."""
+def profile_categories(call, device: torch.device, calls: int = 2, top: int = 15) -> tuple[dict[str, float], list]:
+    """-> ({category: ms per call}, the `top` kernels by time as [name, category, ms per call]): CUDA
+    kernel time on the GPU; on the CPU, each op's own (self) time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -163,7 +228,7 @@ def profile_categories(call, device: torch.device, calls: int = 2) -> dict[str, 
                 call()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    totals: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for event in prof.events():
         if device.type == "cuda":
             if event.device_type != DeviceType.CUDA:
@@ -171,14 +236,21 @@ def profile_categories(call, device: torch.device, calls: int = 2) -> dict[str, 
             us = event.device_time
         else:
             us = event.self_cpu_time_total
-        category = kernel_category(event.name)
+        by_name[event.name] = by_name.get(event.name, 0.0) + us
+    totals: dict[str, float] = {}
+    for name, us in by_name.items():
+        category = kernel_category(name)
         totals[category] = totals.get(category, 0.0) + us
-    return {category: round(us / 1e3 / calls, 3) for category, us in sorted(totals.items())}
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return ({category: round(us / 1e3 / calls, 3) for category, us in sorted(totals.items())},
+            [[name[:120], kernel_category(name), round(us / 1e3 / calls, 3)] for name, us in ranked])
 
 
 def reset_compile(adapter) -> None:
+    """Undo what every variant sets per module: compilation, and the fused GELU's forward."""
     for module in adapter.transformer.modules():
         module._compiled_call_impl = None
+        module.__dict__.pop("forward", None)
     torch._dynamo.reset()
 
 
@@ -204,7 +276,7 @@ def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, it
            "replay_equals_eager": same, "attention_calls": report.get("attention_calls_per_forward"),
            "rel_err_vs_first": round(float(err), 5), "fused": state.fused, "fp8": state.fp8}
     if profile:
-        row["profile_ms"] = profile_categories(lambda: fn(inputs), device)
+        row["profile_ms"], row["profile_top"] = profile_categories(lambda: fn(inputs), device)
     engine.close()
     return row
 
@@ -229,6 +301,16 @@ def save_partial(results: dict, out: Path) -> None:
     out.write_text(json.dumps(results, indent=2))
 
 
+def format_micro(r: dict) -> str:
+    lines = [f"bf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s (reference rate)"]
+    if "matmul_sustained_tflops" in r:
+        lines.append(f"bf16 matmul {r['matmul_n']}^3 kept busy for 3 s: {r['matmul_sustained_tflops']:.0f} TFLOP/s")
+    lines += [f"{case}: {v.get('ms', '-')} ms, {v.get('tflops', v.get('error'))} TFLOP/s" for case, v in r.get("attention_in_step", {}).items()]
+    if "gelu_epilogue" in r:
+        lines.append(f"feed-forward up-projection + tanh GELU: {r['gelu_epilogue']}")
+    return "\n".join(lines)
+
+
 def format_report(r: dict) -> str:
     rate = r["matmul_tflops"]
     lines = [f"bf16 matmul {r['matmul_n']}^3: {rate:.0f} TFLOP/s (reference rate)",
@@ -242,6 +324,7 @@ def format_report(r: dict) -> str:
         lines.append(f"| {name} | {v['ms']:.1f} | {tflops:.0f} | {100 * tflops / rate:.1f}% | {v['first_pass_s']} | {v['replay_equals_eager']} | {v['rel_err_vs_first']} |")
     for name, why in r.get("variants_skipped", {}).items():
         lines.append(f"| {name} | skipped: {why} |")
+    lines += format_micro(r).splitlines()[1:]
     profiled = {name: v["profile_ms"] for name, v in r["variants"].items() if "profile_ms" in v}
     if profiled:
         flops = r["step_flops_by_kind"]
@@ -252,6 +335,10 @@ def format_report(r: dict) -> str:
             rate_of = lambda kind: f"{flops[kind] / (ms[kind] / 1e3) / 1e12:.0f}" if ms.get(kind) else "-"  # noqa: E731
             lines.append(f"| {name} | {ms.get('matmul', 0)} | {ms.get('attention', 0)} | {ms.get('fused (inductor)', 0)} | "
                          f"{ms.get('other', 0)} | {sum(ms.values()):.1f} | {rate_of('matmul')} | {rate_of('attention')} |")
+        for name, v in r["variants"].items():
+            if v.get("profile_top"):
+                lines += ["", f"Top kernels of {name} (ms per step):"]
+                lines += [f"  {ms:8.2f}  {category:<16} {kernel[:100]}" for kernel, category, ms in v["profile_top"]]
     if "scopes_fast" in r:
         s = r["scopes_fast"]
         lines.append(f"512 px, 1 prompt, {r['steps']} steps, cudnn+compile: forward {s['forward']} ms, loop {s['loop']} ms "
@@ -268,17 +355,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--no-scopes", action="store_true")
     p.add_argument("--profile", action="store_true", help="kernel time per step by category, per variant")
+    p.add_argument("--micro-only", action="store_true", help="matmul, SDPA and feed-forward microbenchmarks only")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    device = bench_device()
     smoke = args.smoke or device.type != "cuda"
     side, bucket = (64, 2) if smoke else (args.side, args.bucket)
     n = 1024 if smoke else 8192
     results = {"environment": environment(device, args), "side": side, "bucket": bucket, "steps": args.steps, "matmul_n": n,
                "matmul_tflops": matmul_rate(device, args.iters, n),
                "sdpa": sdpa_rates(device, args.iters, 2 if smoke else 16, 256 if smoke else 4096) if device.type == "cuda" else {}}
+    if device.type == "cuda":
+        results["matmul_sustained_tflops"] = sustained_matmul_rate(device, n)
+        results["attention_in_step"] = attention_in_step(device, args.iters)
+        results["gelu_epilogue"] = gelu_epilogue(device, args.iters)
+    if args.micro_only:
+        return save_and_report(results, format_micro(results), args.out)
     adapter = pixart_adapter("tiny" if smoke else "pixart_sigma", device)
     inputs = make_inputs(adapter.input_specs(side, side), bucket, device)
     results["step_flops_by_kind"] = step_flops_by_kind(adapter, inputs)

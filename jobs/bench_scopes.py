@@ -36,11 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bcg.engine import BCGEngine
-from jobs.bench_engine import DTYPE, environment, pixart_adapter, save_and_report
+from jobs.bench_engine import DTYPE, bench_device, environment, pixart_adapter, save_and_report
 from pipeline.config import ModelConfig
 from pipeline.denoise import Denoiser
 from pipeline.models import build_model
-from pipeline.precision import apply_precision
 
 MODES = ("eager", "forward", "step", "loop")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -174,8 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("bench_scopes.json"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    device = bench_device()
     modes = list(MODES) if device.type == "cuda" else ["eager"]
     results = {"environment": environment(device, args), "modes": list(MODES), "cases": []}
     cases = [("tiny", tiny_adapter, [(64, 1)])]

@@ -90,6 +90,13 @@ class KernelsConfig:
     fuse_qkv: bool = False
     # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
     fp8: bool = False
+    # The feed-forward's up-projection, bias and tanh GELU as one cuBLASLt matmul with a GELU epilogue
+    # (CUDA): one pass less over the widest activation; GELU rounds once, from the fp32 accumulator.
+    fuse_gelu: bool = False
+    # PixArt: pad prompts to the manifest's longest prompt (rounded up to 64 tokens) instead of
+    # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
+    # same up to rounding; cross-attention and text encoding do less work.
+    trim_text_padding: bool = False
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
-from pipeline.kernels import apply_kernels, check_kernels, output_kernels, with_attention
+from pipeline.kernels import apply_kernels, check_kernels, compile_stats, output_kernels, with_attention
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
@@ -34,7 +34,7 @@ from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, pa
 from pipeline.models import build_model, check_items, model_limits
 from pipeline.planner import Batch, Plan, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
-from pipeline.prompts import prompt_cache
+from pipeline.prompts import manifest_texts, prompt_cache
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
 from pipeline.sharding import ShardSpec, shard_batches
@@ -107,7 +107,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
         adapter = adapter or build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
         resolutions = sorted({(it.height, it.width) for it in items})
         k = cfg.kernels
-        kernels = apply_kernels(k, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8)
+        kernels = apply_kernels(k, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
+                                texts=manifest_texts(items))
         stop.check()
 
         # 4b. bcg.ladder=auto: calibrate one step of this scope, choose, plan (saved so that a resumed
@@ -190,7 +191,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
             writer_busy_s=round(writer.busy_s, 4),
             gpu_busy=busy.report(generate_s),
-            kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4)},
+            kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4),
+                     **(compile_stats() if k.compile else {})},
             ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),
             config=resolved_config,

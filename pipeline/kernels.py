@@ -13,7 +13,8 @@ import importlib.util
 import logging
 from collections import Counter
 from contextlib import nullcontext
-from typing import Callable
+from types import MethodType
+from typing import Callable, Iterable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -39,6 +40,7 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
 FLASH_ATTN_OP = "flash_attn"
+TRIM_TEXT_FAMILIES = ("pixart",)
 
 
 def check_kernels(kernels, family: str | None = None, device: torch.device | None = None) -> None:
@@ -54,6 +56,15 @@ def check_kernels(kernels, family: str | None = None, device: torch.device | Non
                         f"{list(FUSE_QKV_FAMILIES)}, not {family!r}; set kernels.fuse_qkv=false")
     if kernels.fp8 and device is not None:
         check_fp8(device)
+    if kernels.fuse_gelu and kernels.fp8:
+        raise UserError("kernels.fuse_gelu=true fuses bf16/fp16 matmuls; it cannot be combined with kernels.fp8=true "
+                        "(float8 weights): set one of them false")
+    if kernels.fuse_gelu and device is not None and torch.device(device).type != "cuda":
+        raise UserError("kernels.fuse_gelu=true needs CUDA: cuBLASLt's GELU epilogue is the tanh GELU these models use, "
+                        "while PyTorch's CPU version of the fused op computes the exact GELU; set kernels.fuse_gelu=false")
+    if kernels.trim_text_padding and family is not None and family not in TRIM_TEXT_FAMILIES:
+        raise UserError(f"kernels.trim_text_padding=true: model families {list(TRIM_TEXT_FAMILIES)} mask the text padding "
+                        f"out of attention, {family!r} does not (its images would change); set kernels.trim_text_padding=false")
 
 
 def check_attention(name: str, family: str | None) -> None:
@@ -197,13 +208,42 @@ def fuse_qkv(transformer: torch.nn.Module) -> int:
     return len(attentions)
 
 
+# ---- GELU in the matmul epilogue -----------------------------------------------------------------
+
+
+def fuse_gelu(transformer: torch.nn.Module) -> int:
+    """Every diffusers `GELU` activation with the tanh approximation and a biased projection runs as
+    one `torch._addmm_activation`: on CUDA a cuBLASLt matmul whose epilogue adds the bias and applies
+    the tanh GELU to the fp32 accumulator. -> modules changed (a model with none is refused)."""
+    from diffusers.models.activations import GELU
+
+    changed = 0
+    for module in transformer.modules():
+        if isinstance(module, GELU) and module.approximate == "tanh" and module.proj.bias is not None:
+            module.forward = _gelu_epilogue_forward(module.proj)
+            changed += 1
+    if not changed:
+        raise UserError("kernels.fuse_gelu=true: this transformer has no tanh-GELU feed-forward with a biased projection "
+                        "to fuse; set kernels.fuse_gelu=false")
+    return changed
+
+
+def _gelu_epilogue_forward(proj: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
+        return out.view(*hidden_states.shape[:-1], out.shape[-1])
+
+    return forward
+
+
 # ---- torch.compile ------------------------------------------------------------------------------
 
 
 def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dynamic: bool, scope: str = "model") -> None:
     """Compile in place with inductor; inductor's own CUDA graphs stay off, ours capture the
     compiled kernels. `dynamic`: one compilation with symbolic batch and token counts serves every
-    (resolution, bucket) (a few recompiles where diffusers branches on a size); else one per shape.
+    (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
     `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager.
     `scope`: `model` compiles the whole transformer; `blocks` compiles its repeated transformer block
     once and reuses the code for every block (diffusers' regional compilation: a fraction of the
@@ -217,16 +257,60 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     limit = max(dynamo_config.recompile_limit, shapes + 2)
     dynamo_config.recompile_limit = limit
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
+    if dynamic:
+        broadcast_attention_masks(transformer)
     if scope == "blocks":
         # diffusers compiles every submodule whose class is listed in `_repeated_blocks`; these
         # families do not list theirs, so name the class of the first of `transformer_blocks`.
         transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
+        contiguous_block_input(transformer)
         transformer.compile_repeated_blocks(mode=mode, dynamic=dynamic, fullgraph=True)
     else:
         transformer.compile(mode=mode, dynamic=dynamic, fullgraph=True)
     log.info("kernels: transformer %s compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
              "blocks" if scope == "blocks" else "model", mode, "dynamic" if dynamic else "static")
 
+
+
+def broadcast_attention_masks(transformer: torch.nn.Module) -> None:
+    """diffusers repeats an attention mask per head with `repeat_interleave`, whose output size
+    dynamo fixes to the batch it first sees (on the H200, torch 2.11: one compilation per bucket).
+    The same mask, per head, from `expand`: the same values in the same layout, any batch size."""
+    from diffusers.models.attention_processor import Attention
+
+    for module in transformer.modules():
+        if isinstance(module, Attention):
+            module.prepare_attention_mask = MethodType(_prepare_attention_mask, module)
+
+
+def _prepare_attention_mask(attn, attention_mask, target_length: int, batch_size: int, out_dim: int = 3):
+    """Attention.prepare_attention_mask for a [B, 1, L] mask of full length (PixArt's captions);
+    every other case is left to diffusers."""
+    if (attention_mask is None or out_dim != 3 or attention_mask.ndim != 3 or attention_mask.shape[-1] != target_length
+            or attention_mask.shape[0] != batch_size):
+        return type(attn).prepare_attention_mask(attn, attention_mask, target_length, batch_size, out_dim)
+    rows, queries, keys = attention_mask.shape
+    per_head = attention_mask.unsqueeze(1).expand(rows, attn.heads, queries, keys)
+    return per_head.reshape(rows * attn.heads, queries, keys)
+
+
+def contiguous_block_input(transformer: torch.nn.Module) -> None:
+    """The patch embedding hands the first block a transposed view (tokens with stride 1), every
+    other block a contiguous tensor; dynamo guards on strides, so the block would compile twice.
+    A contiguous copy of the embedding (outside the compiled blocks) leaves one compilation."""
+    embed = getattr(transformer, "pos_embed", None)
+    if embed is not None and not getattr(embed, "_contiguous_output", False):
+        embed.register_forward_hook(lambda module, args, out: out.contiguous() if torch.is_tensor(out) else out)
+        embed._contiguous_output = True
+
+
+def compile_stats() -> dict:
+    """What torch.compile did in this process so far: the graphs dynamo compiled (a new shape that
+    breaks a guard adds one) and the seconds spent compiling them (tracing, inductor, Triton)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "compile_s": round(seconds, 2)}
 
 
 # ---- float8 -------------------------------------------------------------------------------------
@@ -265,26 +349,38 @@ def output_kernels(kernels) -> dict:
             out["compile_scope"] = kernels.compile_scope
     if kernels.fp8:
         out["fp8"] = True
+    for key in ("fuse_gelu", "trim_text_padding"):  # keys added later count only away from their default
+        if getattr(kernels, key):
+            out[key] = True
     return out
 
 
 # ---- all of it, in order ------------------------------------------------------------------------
 
 
-def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: int) -> dict:
-    """Set the transformer's kernels from `kernels` (KernelsConfig): attention processor, fused
-    projections, then fp8, then compile; observe which attention backend serves its calls (one eager
-    CFG forward, 1 row, at `probe_size`) -> stats.json's `kernels`."""
+def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: int,
+                  texts: Iterable[str] | None = None) -> dict:
+    """Set the transformer's kernels from `kernels` (KernelsConfig): the text length (from every
+    prompt the job may encode, `texts`), attention processor, fused projections and GELU, then fp8,
+    then compile; observe which attention backend serves its calls (one eager CFG forward, 1 row, at
+    `probe_size`) -> stats.json's `kernels`."""
     from bcg.buffers import StaticInputs
 
     check_kernels(kernels, adapter.family, adapter.device)
     attention = kernels.attention
+    report: dict = {"attention": attention, "compile": kernels.compile, "fp8": kernels.fp8}
+    if kernels.trim_text_padding:
+        report["text_length"] = adapter.fit_text_length(texts if texts is not None else [])
+        log.info("kernels: prompts padded to %d tokens (the longest prompt, rounded up), not %d",
+                 report["text_length"], adapter.max_sequence_length)
     if attention == "flash_attn":
         use_flash_attn(adapter.transformer)
-    report: dict = {"attention": attention, "compile": kernels.compile, "fp8": kernels.fp8}
     if kernels.fuse_qkv:
         report["fused_attention_layers"] = fuse_qkv(adapter.transformer)
         log.info("kernels: fused q|k|v projections in %d attention layers", report["fused_attention_layers"])
+    if kernels.fuse_gelu:
+        report["fused_gelu_layers"] = fuse_gelu(adapter.transformer)
+        log.info("kernels: %d feed-forward GELUs in the up-projection's cuBLASLt epilogue", report["fused_gelu_layers"])
     if probe_size is not None:
         inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
         try:

@@ -31,6 +31,12 @@ def negative_or_default(prompt: str | None) -> str:
     return prompt if prompt is not None else DEFAULT_NEGATIVE
 
 
+def manifest_texts(items) -> list[str]:
+    """Every text a job may encode for these rows: prompts and negative prompts (the default for a
+    row without one), each once."""
+    return sorted({it.prompt for it in items} | {negative_or_default(it.negative_prompt) for it in items})
+
+
 class PromptCache:
     def __init__(
         self,

@@ -75,3 +75,6 @@ def test_profiled_smoke_run_reports_time_by_category(tmp_path):
     profile = result["variants"]["math"]["profile_ms"]
     assert profile["matmul"] > 0 and set(profile) <= {"matmul", "attention", "fused (inductor)", "other"}
     assert result["variants"]["math"]["fused"] is False
+    top = result["variants"]["math"]["profile_top"]
+    assert top and all(category in profile for _, category, _ in top)  # the top kernels, in the categories summed
+    assert [ms for *_, ms in top] == sorted((ms for *_, ms in top), reverse=True)

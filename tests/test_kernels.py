@@ -14,8 +14,8 @@ from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import (FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, probe_attention, use_flash_attn,
-                              with_attention)
+from pipeline.kernels import (FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_stats, probe_attention,
+                              use_flash_attn, with_attention)
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -179,3 +179,70 @@ def test_regional_compile_compiles_each_block_and_computes_the_same(tiny):
     with torch.no_grad():
         out = tiny.guided_eps(x)
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_dynamic_regional_compile_serves_every_shape_with_one_graph(tiny):
+    """One compilation for every resolution and bucket, with no recompile for the first block's
+    strided input. (Sizes avoid the tiny model's hidden size, 16: dynamo gives sizes that happen to be
+    equal one symbol, which the layer norm then fixes. On PixArt-Sigma only 768x384 px hits 1152.)"""
+    torch._dynamo.reset()
+    before = compile_stats()["compiled_graphs"]
+    apply_kernels(KernelsConfig(compile=True, compile_scope="blocks"), tiny, None, shapes=4)
+    outputs = {}
+    for side, n in ((96, 2), (96, 3), (128, 2), (160, 3)):
+        x = inputs(tiny, side, n)
+        with torch.no_grad():
+            outputs[side, n] = tiny.guided_eps(x)
+    assert compile_stats()["compiled_graphs"] - before == 1
+    assert compile_stats()["compile_s"] > 0
+    attn = tiny.transformer.transformer_blocks[0].attn2  # its mask per head: expanded, not repeat_interleave'd
+    mask = torch.randn(3, 1, 7)
+    assert torch.equal(attn.prepare_attention_mask(mask, 7, 3), type(attn).prepare_attention_mask(attn, mask, 7, 3))
+    assert attn.prepare_attention_mask(mask, 7, 3).shape == (3 * attn.heads, 1, 7)
+    assert outputs[128, 2].shape[0] == 2 and outputs[160, 3].shape[-1] == 160 // 8
+
+
+
+def test_trimmed_text_padding_computes_the_same_step(tiny):
+    """The padding T5 and cross-attention mask out contributes nothing: a prompt padded to 16
+    tokens gives the step it gives at the tiny model's 32."""
+    prompts = ["a red cat on a mat", ""]
+    full = tiny.encode(prompts)
+    assert full["emb"].shape[1] == tiny.max_sequence_length == 32
+    assert tiny.fit_text_length([*prompts, "dog"], multiple=8) == 24  # 18 characters + </s>, rounded up to 8
+    assert tiny.fit_text_length(prompts, multiple=64) == 32  # never past max_sequence_length
+    assert tiny.fit_text_length(prompts, multiple=16) == 32  # 19 tokens -> 32
+    tiny.fit_text_length(["a cat"], multiple=8)
+    short = tiny.encode(prompts[:1])
+    assert tiny.text_length == 8 and short["emb"].shape[1] == 8 and short["mask"].shape[1] == 8
+    tiny.fit_text_length(prompts, multiple=4)
+    trimmed = tiny.encode(prompts)
+    assert trimmed["emb"].shape[1] == 20
+    torch.testing.assert_close(trimmed["emb"][0, :19], full["emb"][0, :19], rtol=1e-5, atol=1e-5)
+    steps = []
+    for cond, length in ((full, 32), (trimmed, 20)):
+        tiny.text_length = length
+        x = inputs(tiny)
+        x["emb"].copy_(cond["emb"].flip(0).unsqueeze(0).expand(2, -1, -1, -1))  # [uncond, cond] per row
+        x["mask"].copy_(cond["mask"].flip(0).unsqueeze(0).expand(2, -1, -1))
+        with torch.no_grad():
+            steps.append(tiny.guided_eps(x))
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-5)
+
+
+def test_trim_text_padding_is_reported_and_is_a_setting(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
+    report = run(cpu_job(manifest, tmp_path / "out", "kernels.trim_text_padding=true"))
+    assert report["kernels"]["text_length"] == 32  # the tiny model's whole length: 64 is the rounding
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):
+        run(cpu_job(manifest, tmp_path / "out"))
+    with pytest.raises(UserError, match=r"families \['pixart'\] mask the text padding"):
+        check_kernels(KernelsConfig(trim_text_padding=True), "sd3")
+
+
+def test_fused_gelu_is_refused_where_it_would_compute_something_else():
+    with pytest.raises(UserError, match="kernels.fuse_gelu=true needs CUDA"):
+        check_kernels(KernelsConfig(fuse_gelu=True), "pixart", torch.device("cpu"))
+    with pytest.raises(UserError, match="cannot be combined with kernels.fp8=true"):
+        check_kernels(KernelsConfig(fuse_gelu=True, fp8=True), "pixart")

@@ -9,7 +9,7 @@ decode scaling. So the same weights, prompts and seeds give the same images.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import diffusers
 import torch
@@ -33,6 +33,14 @@ from pipeline.transfer import to_device
 
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
 PIPELINES = (SIGMA, ALPHA)
+TEXT_LENGTH_MULTIPLE = 64  # kernels.trim_text_padding rounds the text length up to this many tokens
+
+
+def clean_prompts(prompts: Iterable[str]) -> list[str]:
+    """As diffusers' PixArt pipelines prepare a prompt without clean_caption: lower case, stripped."""
+    return [p.lower().strip() for p in prompts]
+
+
 # diffusers' max_sequence_length defaults: T5 tokens per prompt.
 MAX_SEQUENCE_LENGTH = {SIGMA: 300, ALPHA: 120}
 MICRO_CONDITION_SAMPLE_SIZE = 128  # PixArtAlphaPipeline adds them for this transformer sample_size only
@@ -63,6 +71,7 @@ class PixArtAdapter(TransformerVAE):
         self.scheduler_class = scheduler_class
         self.scheduler_config = dict(scheduler_config)
         self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[pipeline]
+        self.text_length = self.max_sequence_length  # tokens per encoded prompt: see fit_text_length
         self.max_side = max_side
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
@@ -77,12 +86,24 @@ class PixArtAdapter(TransformerVAE):
         """prompts (N) -> {"emb": [N, L, D] in the model dtype, "mask": [N, L] int64}."""
         if self.text_encoder is None:
             raise RuntimeError(released_message(self.name))
-        text = [p.lower().strip() for p in prompts]
-        tokens = pad_tokens(self.tokenizer, text, self.max_sequence_length)
+        tokens = pad_tokens(self.tokenizer, clean_prompts(prompts), self.text_length)
         mask = to_device(tokens.attention_mask, self.device)
         encoder_device = self.text_encoder.device
         emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]
         return {"emb": emb.to(self.device, self.dtype), "mask": mask}
+
+    def fit_text_length(self, texts: Iterable[str], multiple: int = TEXT_LENGTH_MULTIPLE) -> int:
+        """Encode prompts padded to the longest of `texts` (special tokens included), rounded up to
+        `multiple` and at most max_sequence_length, instead of max_sequence_length -> that length.
+        T5 and the transformer's cross-attention mask the padding out, so the images are the same
+        up to rounding (the summation order of the shorter sequences); the same texts, the same
+        length, so a resumed job encodes as its first run did."""
+        if self.tokenizer is None:
+            raise RuntimeError(released_message(self.name))
+        unique = sorted(set(clean_prompts(texts)) | {""})
+        longest = max(len(ids) for ids in self.tokenizer(unique, add_special_tokens=True)["input_ids"])
+        self.text_length = min(-(-longest // multiple) * multiple, self.max_sequence_length)
+        return self.text_length
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """PixArt-Alpha at sample_size 128: resolution [n, 2] = (height, width) and aspect ratio
@@ -99,7 +120,7 @@ class PixArtAdapter(TransformerVAE):
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         """Per-row inputs of one CFG step. Conditioning is stacked [uncond, cond] on dim 1 so that
         batch stays dim 0 and a smaller bucket is a plain slice of the largest one's buffers."""
-        length, dim = self.max_sequence_length, self.cond_dim
+        length, dim = self.text_length, self.cond_dim
         specs = {
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),

@@ -1,0 +1,106 @@
+"""Benchmark of the VAE decode: memory formats (and optionally torch.compile) of the decoder.
+
+On the GPU, from the repository root (the SDXL VAE of conf/model/pixart_sigma.yaml, random weights,
+bf16, TF32 off, cudnn.benchmark off):
+
+    python jobs/bench_decode.py --out outputs/bench/bench_decode.json
+
+For each side in `--sides` and each variant, `--batch` latents are decoded as the job decodes them
+(`PixArtAdapter.decode`: the scaled latents through `vae.decode`); median ms per image over `--iters`
+calls, and the uint8 images' difference (levels) against the first variant. Variants: `nchw` (the
+default layout), `channels_last` (the VAE's weights in channels_last: cuDNN's NHWC convolutions),
+`compile` (the decoder compiled per shape by inductor, NCHW), `channels_last+compile`.
+CPU check (the tiny model's VAE): `python jobs/bench_decode.py --smoke --out /tmp/d.json`.
+"""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from diffusers import AutoencoderKL
+
+from jobs.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
+from pipeline.generate import to_uint8
+
+VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile")
+
+
+def build_vae(model: str, device: torch.device) -> AutoencoderKL:
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        vae = AutoencoderKL(**load_model_conf(model)["arch"]["vae"])
+    return vae.to(DTYPE).eval()
+
+
+def set_variant(vae: AutoencoderKL, name: str) -> None:
+    if name not in VARIANTS:
+        raise SystemExit(f"variant {name!r} is not known; choose from {list(VARIANTS)}")
+    vae.to(memory_format=torch.channels_last if "channels_last" in name else torch.contiguous_format)
+    vae.decoder.forward = vae.decoder.__class__.forward.__get__(vae.decoder)  # undo an earlier compile
+    if "compile" in name:
+        vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=False)
+
+
+def decode(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sides", type=int, nargs="+", default=[512, 768, 1024])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--variants", nargs="+", default=["nchw", "channels_last"])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
+    args = p.parse_args(argv)
+    device = bench_device()
+    smoke = args.smoke or device.type != "cuda"
+    sides, batch, iters = ([64], 2, 2) if smoke else (args.sides, args.batch, args.iters)
+    vae = build_vae("tiny" if smoke else "pixart_sigma", device)
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    results = {"environment": environment(device, args), "batch": batch, "sides": {}}
+    for side in sides:
+        gen = torch.Generator(device).manual_seed(SEED)
+        latents = torch.randn(batch, vae.config.latent_channels, side // factor, side // factor,
+                              generator=gen, device=device, dtype=DTYPE)
+        row: dict = {}
+        reference = None
+        for name in args.variants:
+            set_variant(vae, name)
+            start = time.perf_counter()
+            images = to_uint8(decode(vae, latents)).cpu()
+            first_s = time.perf_counter() - start
+            ms = time_calls(lambda: decode(vae, latents), device, 1, iters)
+            reference = images if reference is None else reference
+            diff = (images.int() - reference.int()).abs()
+            row[name] = {"ms_per_image": round(ms / batch, 3), "first_call_s": round(first_s, 2),
+                         "max_levels": int(diff.max()), "mean_levels": round(float(diff.float().mean()), 4)}
+            print(side, name, row[name], flush=True)
+        results["sides"][side] = row
+    set_variant(vae, "nchw")
+    return save_and_report(results, format_report(results), args.out)
+
+
+def format_report(r: dict) -> str:
+    names = list(next(iter(r["sides"].values())))
+    lines = [f"VAE decode, batch {r['batch']}: ms per image (max | mean levels vs {names[0]})",
+             "| side | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for side, row in r["sides"].items():
+        cells = [f"{v['ms_per_image']:.2f} ({v['max_levels']} | {v['mean_levels']})" for v in row.values()]
+        lines.append(f"| {side} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

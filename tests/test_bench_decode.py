@@ -1,0 +1,25 @@
+"""jobs/bench_decode.py on the CPU (the tiny model's VAE): it decodes in every layout asked for and
+reports each against the first; unknown variants are named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.bench_decode import main
+
+
+def test_smoke_run_reports_every_layout_against_the_first(tmp_path):
+    out = tmp_path / "d.json"
+    main(["--smoke", "--variants", "nchw", "channels_last", "--out", str(out)])
+    result = json.loads(out.read_text())
+    row = result["sides"]["64"]
+    assert list(row) == ["nchw", "channels_last"]
+    assert row["nchw"]["max_levels"] == 0 and row["nchw"]["ms_per_image"] > 0
+    assert row["channels_last"]["max_levels"] <= 1  # the same decoder in another layout
+
+
+def test_unknown_variant_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="variant 'nhwc' is not known"):
+        main(["--smoke", "--variants", "nhwc", "--out", str(tmp_path / "d.json")])
