@@ -44,7 +44,7 @@ from jobs.bench_engine import bench_device, environment, make_inputs, pixart_ada
 from jobs.bench_scopes import make_denoiser, random_batch, time_denoise
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import SDPA, apply_kernels, with_attention
+from pipeline.kernels import CONTIGUOUS_HOOK, SDPA, apply_kernels, check_kernels, with_attention
 
 # A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
@@ -247,15 +247,21 @@ def profile_categories(call, device: torch.device, calls: int = 2, top: int = 15
 
 
 def reset_compile(adapter) -> None:
-    """Undo what every variant sets per module: compilation, and the fused GELU's forward."""
+    """Undo what a variant sets per module and can be undone: compilation, the fused GELU's forward,
+    the dynamic compile's mask preparation and contiguous patch embedding (diffusers' stock path)."""
     for module in adapter.transformer.modules():
         module._compiled_call_impl = None
         module.__dict__.pop("forward", None)
+        module.__dict__.pop("prepare_attention_mask", None)
+        hook = module.__dict__.pop(CONTIGUOUS_HOOK, None)
+        if hook is not None:
+            hook.remove()
     torch._dynamo.reset()
 
 
 def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, iters: int, state: ModelState,
                   profile: bool = False) -> dict:
+    check_kernels(variant_kernels(name), adapter.family, device)  # as asked, before the model's state strips it
     kernels = state.changes_for(name, variant_kernels(name))
     reset_compile(adapter)
     start = time.perf_counter()

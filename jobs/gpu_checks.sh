@@ -5,11 +5,14 @@
 #   bash jobs/gpu_checks.sh bench    # cuda tests, GPU demo, diffusers speed and parity (bench_engine.py: run it alone)
 #   KERNELS="kernels.compile=true kernels.compile_scope=blocks bcg/ladder=pow2_16" bash jobs/gpu_checks.sh issue8
 #        # issue 8: +job=bench on 200 rows with those overrides; then fp8 vs bf16 (PSNR, images/s) on 60 rows
-#        # with the bench's own kernels (float8 under torch.compile did not compile within 5 minutes)
+#        # with eager cuDNN kernels (float8 under torch.compile did not compile within 5 minutes; fp8 excludes fuse_gelu)
 #   bash jobs/gpu_checks.sh kernels      # issue 8: the kernel table at 1024 px, 8 prompts, time by kernel category and
 #                                        # top kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others)
 #   bash jobs/gpu_checks.sh kernels512   # the same at 512 px, 16 prompts (the bench manifest's most common shape)
 #   bash jobs/gpu_checks.sh bench200     # +job=bench (its own kernels and ladder; KERNELS overrides them) on 200 rows
+#   bash jobs/gpu_checks.sh baseline1000 # the 1,000-row baseline alone (about 370 s), saved to $OUT/baseline1000; copy
+#                                        # the fetched folder to outputs/baseline1000 here, then in the next command
+#   bash jobs/gpu_checks.sh ours1000     # (carry outputs/baseline1000) our job on the same rows against that baseline
 #   bash jobs/gpu_checks.sh micro        # SDPA as the step calls it (views, masked cross-attention), GELU epilogue
 #   DECODE_ARGS="--variants nchw compile" bash jobs/gpu_checks.sh decode  # VAE decode per image, 512/768/1024 px
 #   KERNELS=... bash jobs/gpu_checks.sh warmup   # our job alone on 60 rows with TORCH_LOGS=recompiles: graphs, compile s
@@ -33,7 +36,7 @@ for what in "${@:-tests}"; do
     cp /tmp/bench/bench.json "$OUT/bench_job.json" 2>/dev/null
     for fp8 in false true; do
       rm -rf /tmp/fp8-$fp8
-      timeout -s KILL 150 python3 -m pipeline.run +job=bench bench.baseline=false kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
+      timeout -s KILL 150 python3 -m pipeline.run +job=bench bench.baseline=false kernels=default kernels.attention=cudnn kernels.trim_text_padding=false bcg/ladder=pow2_8 kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
       cp /tmp/fp8-$fp8/stats.json "$OUT/fp8_$fp8.json" 2>/dev/null
     done
     python3 jobs/compare_images.py /tmp/fp8-false /tmp/fp8-true --json "$OUT/fp8_vs_bf16.json" > "$OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
@@ -50,6 +53,14 @@ for what in "${@:-tests}"; do
     timeout -s KILL ${BENCH_LIMIT:-360} python3 -m pipeline.run +job=bench manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/bench200 "${kernels[@]}" > "$OUT/bench200.log" 2>&1; b200_rc=$?
     cp /tmp/bench200/bench.json "$OUT/bench200.json" 2>/dev/null; cp /tmp/bench200/stats.json "$OUT/bench200_stats.json" 2>/dev/null
     echo "== bench 200 rows ${KERNELS:-}"; rc $b200_rc; grep -A10 "^| system" "$OUT/bench200.log" | cut -c1-400; [ $b200_rc -ne 0 ] && tail -4 "$OUT/bench200.log" | cut -c1-300
+  elif [ "$what" = baseline1000 ]; then
+    timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_only=true output.dir="$OUT/baseline1000" > "$OUT/baseline1000.log" 2>&1; base_rc=$?
+    echo "== baseline, 1,000 rows"; rc $base_rc; grep -E "diffusers baseline|baseline saved" "$OUT/baseline1000.log" | cut -c1-300
+  elif [ "$what" = ours1000 ]; then
+    rm -rf /tmp/ours1000
+    timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_from=outputs/baseline1000 output.dir=/tmp/ours1000 "${kernels[@]}" > "$OUT/ours1000.log" 2>&1; ours_rc=$?
+    cp /tmp/ours1000/bench.json "$OUT/bench1000.json" 2>/dev/null; cp /tmp/ours1000/stats.json "$OUT/bench1000_stats.json" 2>/dev/null
+    echo "== ours against the saved baseline, 1,000 rows ${KERNELS:-}"; rc $ours_rc; grep -A10 "^| system" "$OUT/ours1000.log" | cut -c1-400; [ $ours_rc -ne 0 ] && tail -4 "$OUT/ours1000.log" | cut -c1-300
   elif [ "$what" = micro ]; then
     timeout -s KILL 90 python3 jobs/bench_kernels.py --micro-only --iters 10 --out "$OUT/bench_micro.json" > "$OUT/bench_micro.log" 2>&1; micro_rc=$?
     echo "== micro"; rc $micro_rc; grep -vE "warn|^\s*$|\"\"\"" "$OUT/bench_micro.log" | tail -14 | cut -c1-250

@@ -7,13 +7,20 @@ our job runs with its configured kernels on the same modules. Both are timed fro
 prompt to their last image; ours also in steady state (the generate phase, after capture). The
 first batch of every resolution is compared pixel by pixel with our PNGs. `bench.json` in
 output.dir holds it all; the table is printed last.
+
+`bench.baseline_only` runs the baseline alone and saves it (its timing, a fingerprint of the rows and
+settings it ran, and the images compared on, as PNGs under `baseline/`); `bench.baseline_from=<dir>`
+then runs our job against that saved baseline, refused if it was made for other rows or settings.
+The two halves run in two processes, so run them on the same machine, one after the other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
+from dataclasses import asdict
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,7 @@ from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 log = logging.getLogger(__name__)
 
 BENCH = "bench.json"
+BASELINE_DIR = "baseline"  # bench.baseline_only: the baseline's images that our job is compared on
 TEXT_FAMILIES = ("pixart", "sd3")
 
 
@@ -48,6 +56,13 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
         raise UserError(f"+job=bench: manifest {cfg.manifest.path} has no valid row to compare on")
     if cfg.shard.count > 1:
         raise UserError("+job=bench runs one process: shard.count must be 1")
+    if not cfg.bench.baseline:
+        raise UserError("bench.baseline_only and bench.baseline_from compare with diffusers' pipeline: they need "
+                        "bench.baseline=true (+job=bench sets it)")
+    if cfg.bench.baseline_only and cfg.bench.baseline_from:
+        raise UserError("bench.baseline_only=true runs the baseline, bench.baseline_from uses a saved one: set one of them")
+    fingerprint = baseline_fingerprint(cfg, items)
+    saved = load_baseline(Path(cfg.bench.baseline_from), fingerprint) if cfg.bench.baseline_from else None
     out_dir = Path(cfg.output.dir)
     if any((out_dir / SHARDS_DIR).glob("*.parquet")) or (out_dir / SAVED).exists():
         raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches or a "
@@ -62,7 +77,13 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
         raise UserError(f"bench.baseline=true supports the text-to-image families {list(TEXT_FAMILIES)}, not {adapter.family!r}")
     check_kernels(cfg.kernels, adapter.family)
 
-    baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale, cfg.bench.baseline_batch)
+    if saved is None:
+        baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale,
+                                                 cfg.bench.baseline_batch)
+    else:
+        baseline, reference = saved
+    if cfg.bench.baseline_only:
+        return save_baseline(out_dir, baseline, reference, fingerprint, len(items))
     start = time.perf_counter()
     report = run(cfg, resolved_config, adapter=adapter)
     ours_s = time.perf_counter() - start
@@ -92,6 +113,8 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
         "speedup_generate": round(report["images_per_s"] / baseline["images_per_s"], 3) if report["images_per_s"] else None,
         "vs_baseline_pixels": compare_images(out_dir, reference),
     }
+    if saved is not None:
+        result["baseline_from"] = cfg.bench.baseline_from
     atomic_write_text(out_dir / BENCH, json.dumps(result, indent=2))
     log.info("bench:\n%s", table(result))
     return result
@@ -127,6 +150,41 @@ def diffusers_baseline(adapter, items, steps: int, guidance: float, batch: int) 
             "seconds": round(seconds, 3), "images_per_s": round(len(items) / seconds, 4)}, reference
 
 
+def baseline_fingerprint(cfg: JobConfig, items) -> str:
+    """What the baseline's timing and images depend on: the rows, the model, precision, steps,
+    guidance and prompts per call (not our kernels or ladder)."""
+    what = {"rows": [it.fields() for it in items], "model": asdict(cfg.model), "dtype": cfg.precision.dtype,
+            "steps": cfg.sampler.steps, "guidance": cfg.sampler.guidance_scale, "batch": cfg.bench.baseline_batch}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def save_baseline(out_dir: Path, baseline: dict, reference: dict[str, np.ndarray], fingerprint: str, rows: int) -> dict:
+    images = out_dir / BASELINE_DIR
+    images.mkdir(parents=True, exist_ok=True)
+    for row_id, image in reference.items():
+        Image.fromarray(image).save(images / f"{row_id}.png")
+    result = {"rows": rows, "baseline": baseline, "baseline_fingerprint": fingerprint}
+    atomic_write_text(out_dir / BENCH, json.dumps(result, indent=2))
+    log.info("bench: baseline saved to %s (%d images to compare on); run our job against it with "
+             "bench.baseline_from=%s", out_dir, len(reference), out_dir)
+    return result
+
+
+def load_baseline(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """A bench.baseline_only run's baseline and images, if it ran these rows with these settings."""
+    try:
+        saved = json.loads((path / BENCH).read_text())
+    except FileNotFoundError:
+        raise UserError(f"bench.baseline_from={path}: no {BENCH} there; save a baseline first with "
+                        f"+job=bench bench.baseline_only=true output.dir={path}") from None
+    if saved.get("baseline_fingerprint") != fingerprint:
+        raise UserError(f"bench.baseline_from={path}: that baseline ran other rows or settings (manifest, model, "
+                        "precision, sampler.steps, sampler.guidance_scale or bench.baseline_batch); run it again with "
+                        "this job's")
+    reference = {p.stem: np.asarray(Image.open(p).convert("RGB")) for p in sorted((path / BASELINE_DIR).glob("*.png"))}
+    return saved["baseline"], reference
+
+
 def compare_images(out_dir: Path, reference: dict[str, np.ndarray]) -> dict:
     """Our PNG vs diffusers' image for the same row: max and mean absolute difference (levels)."""
     diffs = []
@@ -145,12 +203,16 @@ def _x(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def saved_note(result: dict) -> str:
+    return f", saved run {result['baseline_from']}" if "baseline_from" in result else ""
+
+
 def table(result: dict) -> str:
     b, o = result["baseline"], result["ours"]
     lines = [
         "| system | images | seconds | images/s | vs diffusers |",
         "|---|---|---|---|---|",
-        f"| diffusers {b['pipeline']} (batches of {b['batch']}) | {b['images']} | {b['seconds']:.1f} | {b['images_per_s']:.3f} | 1.00x |",
+        f"| diffusers {b['pipeline']} (batches of {b['batch']}){saved_note(result)} | {b['images']} | {b['seconds']:.1f} | {b['images_per_s']:.3f} | 1.00x |",
         f"| ours, end to end (encode, warm-up, capture, generate, write) | {o['images']} | {o['end_to_end_s']:.1f} | {o['images_per_s']:.3f} | {_x(result['speedup_end_to_end'], '.2f')}x |",
         f"| ours, generate phase | {o['images']} | {o['generate_s']:.1f} | {_x(o['generate_images_per_s'], '.3f')} | {_x(result['speedup_generate'], '.2f')}x |",
         "",

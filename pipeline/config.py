@@ -153,6 +153,11 @@ class BenchConfig:
     # `baseline_batch` prompts per call) on the same weights, before our job, and compare.
     baseline: bool = False
     baseline_batch: int = 8
+    # Run the baseline alone and save it (bench.json, and the images it compares on under
+    # <output.dir>/baseline/); then `baseline_from=<that output.dir>` runs our job against it. For a
+    # manifest whose two halves do not fit one session or time limit; same machine, same settings.
+    baseline_only: bool = False
+    baseline_from: Optional[str] = None
 
 
 @dataclass

@@ -107,6 +107,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
         adapter = adapter or build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
         resolutions = sorted({(it.height, it.width) for it in items})
         k = cfg.kernels
+        compiled_before = compile_stats()
         kernels = apply_kernels(k, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
                                 texts=manifest_texts(items))
         stop.check()
@@ -192,7 +193,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             writer_busy_s=round(writer.busy_s, 4),
             gpu_busy=busy.report(generate_s),
             kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4),
-                     **(compile_stats() if k.compile else {})},
+                     **(compile_stats(since=compiled_before) if k.compile else {})},
             ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),
             config=resolved_config,

@@ -40,6 +40,7 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
 FLASH_ATTN_OP = "flash_attn"
+CONTIGUOUS_HOOK = "_contiguous_output_hook"  # the patch embedding's hook handle (contiguous_block_input)
 TRIM_TEXT_FAMILIES = ("pixart",)
 
 
@@ -220,7 +221,7 @@ def fuse_gelu(transformer: torch.nn.Module) -> int:
     changed = 0
     for module in transformer.modules():
         if isinstance(module, GELU) and module.approximate == "tanh" and module.proj.bias is not None:
-            module.forward = _gelu_epilogue_forward(module.proj)
+            module.forward = _gelu_epilogue_forward(module)
             changed += 1
     if not changed:
         raise UserError("kernels.fuse_gelu=true: this transformer has no tanh-GELU feed-forward with a biased projection "
@@ -228,8 +229,9 @@ def fuse_gelu(transformer: torch.nn.Module) -> int:
     return changed
 
 
-def _gelu_epilogue_forward(proj: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _gelu_epilogue_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        proj = module.proj  # read at call time: a projection swapped later is the one used
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
         return out.view(*hidden_states.shape[:-1], out.shape[-1])
@@ -299,18 +301,22 @@ def contiguous_block_input(transformer: torch.nn.Module) -> None:
     other block a contiguous tensor; dynamo guards on strides, so the block would compile twice.
     A contiguous copy of the embedding (outside the compiled blocks) leaves one compilation."""
     embed = getattr(transformer, "pos_embed", None)
-    if embed is not None and not getattr(embed, "_contiguous_output", False):
-        embed.register_forward_hook(lambda module, args, out: out.contiguous() if torch.is_tensor(out) else out)
-        embed._contiguous_output = True
+    if embed is not None and getattr(embed, CONTIGUOUS_HOOK, None) is None:
+        hook = embed.register_forward_hook(lambda module, args, out: out.contiguous() if torch.is_tensor(out) else out)
+        setattr(embed, CONTIGUOUS_HOOK, hook)
 
 
-def compile_stats() -> dict:
-    """What torch.compile did in this process so far: the graphs dynamo compiled (a new shape that
-    breaks a guard adds one) and the seconds spent compiling them (tracing, inductor, Triton)."""
+def compile_stats(since: dict | None = None) -> dict:
+    """What torch.compile did in this process (since the `since` snapshot, an earlier return): the
+    graphs dynamo compiled (a new shape that breaks a guard adds one) and the seconds spent compiling
+    them (tracing, inductor, Triton). dynamo's counters are per process, never reset."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     seconds = sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
-    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "compile_s": round(seconds, 2)}
+    now = {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "compile_s": seconds}
+    if since is not None:
+        now = {key: value - since[key] for key, value in now.items()}
+    return {**now, "compile_s": round(now["compile_s"], 2)}
 
 
 # ---- float8 -------------------------------------------------------------------------------------
@@ -370,7 +376,9 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
     attention = kernels.attention
     report: dict = {"attention": attention, "compile": kernels.compile, "fp8": kernels.fp8}
     if kernels.trim_text_padding:
-        report["text_length"] = adapter.fit_text_length(texts if texts is not None else [])
+        if texts is None:
+            raise ValueError("kernels.trim_text_padding: apply_kernels needs every text the job will encode (texts=...)")
+        report["text_length"] = adapter.fit_text_length(texts)
         log.info("kernels: prompts padded to %d tokens (the longest prompt, rounded up), not %d",
                  report["text_length"], adapter.max_sequence_length)
     if attention == "flash_attn":

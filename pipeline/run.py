@@ -39,7 +39,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(USER_ERROR_EXIT)
     job = OmegaConf.to_object(cfg)
     try:
-        (run_bench if job.bench.baseline else run)(job, OmegaConf.to_container(cfg, resolve=True))
+        bench = job.bench.baseline or job.bench.baseline_only or job.bench.baseline_from
+        (run_bench if bench else run)(job, OmegaConf.to_container(cfg, resolve=True))
     except (UserError, BCGConfigError) as err:  # the message is the whole report; anything else is a bug
         log.error("%s", err)
         sys.exit(USER_ERROR_EXIT)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import cpu_job, model_config, rows, write_manifest
+from conftest import cpu_job, model_config, png, rows, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
@@ -187,16 +187,17 @@ def test_dynamic_regional_compile_serves_every_shape_with_one_graph(tiny):
     strided input. (Sizes avoid the tiny model's hidden size, 16: dynamo gives sizes that happen to be
     equal one symbol, which the layer norm then fixes. On PixArt-Sigma only 768x384 px hits 1152.)"""
     torch._dynamo.reset()
-    before = compile_stats()["compiled_graphs"]
+    before = compile_stats()
     apply_kernels(KernelsConfig(compile=True, compile_scope="blocks"), tiny, None, shapes=4)
     outputs = {}
     for side, n in ((96, 2), (96, 3), (128, 2), (160, 3)):
         x = inputs(tiny, side, n)
         with torch.no_grad():
             outputs[side, n] = tiny.guided_eps(x)
-    assert compile_stats()["compiled_graphs"] - before == 1
-    assert compile_stats()["compile_s"] > 0
+    assert compile_stats(since=before)["compiled_graphs"] == 1
+    assert compile_stats(since=before)["compile_s"] > 0
     attn = tiny.transformer.transformer_blocks[0].attn2  # its mask per head: expanded, not repeat_interleave'd
+    assert "prepare_attention_mask" in attn.__dict__
     mask = torch.randn(3, 1, 7)
     assert torch.equal(attn.prepare_attention_mask(mask, 7, 3), type(attn).prepare_attention_mask(attn, mask, 7, 3))
     assert attn.prepare_attention_mask(mask, 7, 3).shape == (3 * attn.heads, 1, 7)
@@ -214,8 +215,10 @@ def test_trimmed_text_padding_computes_the_same_step(tiny):
     assert tiny.fit_text_length(prompts, multiple=64) == 32  # never past max_sequence_length
     assert tiny.fit_text_length(prompts, multiple=16) == 32  # 19 tokens -> 32
     tiny.fit_text_length(["a cat"], multiple=8)
-    short = tiny.encode(prompts[:1])
+    short = tiny.encode(["a dog"])
     assert tiny.text_length == 8 and short["emb"].shape[1] == 8 and short["mask"].shape[1] == 8
+    with pytest.raises(ValueError, match="has 19 tokens, more than the 8 fitted"):  # never cut a prompt short
+        tiny.encode(prompts[:1])
     tiny.fit_text_length(prompts, multiple=4)
     trimmed = tiny.encode(prompts)
     assert trimmed["emb"].shape[1] == 20
@@ -231,12 +234,17 @@ def test_trimmed_text_padding_computes_the_same_step(tiny):
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-5)
 
 
-def test_trim_text_padding_is_reported_and_is_a_setting(tmp_path):
+def test_trimmed_text_padding_job_makes_the_same_images_and_is_a_setting(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
-    report = run(cpu_job(manifest, tmp_path / "out", "kernels.trim_text_padding=true"))
-    assert report["kernels"]["text_length"] == 32  # the tiny model's whole length: 64 is the rounding
+    longer = "model.max_sequence_length=128"  # the tiny model's 32 tokens are less than one rounding step
+    trimmed = run(cpu_job(manifest, tmp_path / "trim", longer, "kernels.trim_text_padding=true"))
+    run(cpu_job(manifest, tmp_path / "full", longer))
+    assert trimmed["kernels"]["text_length"] == 64  # "a photo of a cat a" + </s>, rounded up to 64, not 128
+    for image in (tmp_path / "full" / "images").iterdir():
+        diff = png(image).astype(int) - png(tmp_path / "trim" / "images" / image.name).astype(int)
+        assert abs(diff).max() <= 1, image.name
     with pytest.raises(ResumeConflict, match="kernels other than the default"):
-        run(cpu_job(manifest, tmp_path / "out"))
+        run(cpu_job(manifest, tmp_path / "trim", longer))
     with pytest.raises(UserError, match=r"families \['pixart'\] mask the text padding"):
         check_kernels(KernelsConfig(trim_text_padding=True), "sd3")
 

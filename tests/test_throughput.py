@@ -111,3 +111,25 @@ def test_compare_images_reports_psnr_and_worst_difference(tmp_path):
     expected_psnr = 10 * np.log10(255.0**2 / (8.0**2 / base[0].size))
     assert result["images"] == 3 and result["identical"] == 2 and result["max_levels"] == 8
     assert abs(result["min_psnr_db"] - expected_psnr) < 0.01
+
+
+def test_bench_baseline_saved_then_compared_from_another_process(tmp_path, manifest, monkeypatch):
+    """The two halves of +job=bench in two runs: the saved baseline gives the comparison the same
+    run gives, and a baseline made for other rows is refused before anything runs."""
+    import pipeline.bench as bench
+
+    base = tmp_path / "base"
+    saved = run_bench(cpu_job(manifest, base, "bench.baseline=true", "bench.baseline_batch=4", "bench.baseline_only=true"))
+    assert saved["baseline"]["images"] == 7 and not (base / "images").exists()  # the baseline only
+    assert len(list((base / bench.BASELINE_DIR).glob("*.png"))) == 4 + 2
+    monkeypatch.setattr(bench, "diffusers_baseline", lambda *a, **k: pytest.fail("the baseline ran again"))
+    result = run_bench(cpu_job(manifest, base, "bench.baseline=true", "bench.baseline_batch=4", f"bench.baseline_from={base}"))
+    assert result["baseline"] == saved["baseline"] and result["baseline_from"] == str(base)
+    assert result["ours"]["images"] == 7 and result["vs_baseline_pixels"]["images"] == 6
+    assert result["vs_baseline_pixels"]["max"] <= 2  # as in the same-run test
+    with pytest.raises(UserError, match="that baseline ran other rows or settings"):
+        run_bench(cpu_job(manifest, tmp_path / "other", "bench.baseline=true", f"bench.baseline_from={base}"))  # batch 8
+    with pytest.raises(UserError, match="no bench.json there"):
+        run_bench(cpu_job(manifest, tmp_path / "o2", "bench.baseline=true", f"bench.baseline_from={tmp_path / 'none'}"))
+    with pytest.raises(UserError, match="need bench.baseline=true"):
+        run_bench(cpu_job(manifest, tmp_path / "o3", "bench.baseline_only=true"))
