@@ -25,6 +25,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 fail=0
 rc() { echo "rc=$1"; [ "$1" -eq 0 ] || fail=1; }  # print a step's exit code; remember a failure
+# bench_summary TITLE RC LOG: a +job=bench step's exit code and table, or its last lines if it failed
+bench_summary() { echo "== $1"; rc $2; grep -A10 "^| system" "$3" | cut -c1-400; [ $2 -ne 0 ] && tail -4 "$3" | cut -c1-300; true; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 read -r -a kernels <<< "${KERNELS:-}"
@@ -40,7 +42,7 @@ for what in "${@:-tests}"; do
       cp /tmp/fp8-$fp8/stats.json "$OUT/fp8_$fp8.json" 2>/dev/null
     done
     python3 jobs/compare_images.py /tmp/fp8-false /tmp/fp8-true --json "$OUT/fp8_vs_bf16.json" > "$OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
-    echo "== bench ${KERNELS:-}"; rc $bench_rc; grep -A10 "^| system" "$OUT/bench_job.log" | cut -c1-300; [ $bench_rc -ne 0 ] && tail -4 "$OUT/bench_job.log" | cut -c1-300
+    bench_summary "bench ${KERNELS:-}" $bench_rc "$OUT/bench_job.log"
     echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do [ -f "$f" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
   elif [ "$what" = kernels ]; then
     timeout -s KILL ${KERNELS_LIMIT:-200} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile --variants ${KERNEL_VARIANTS:-cudnn cudnn+compile+blocks cudnn+compile+static} --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1; kernels_rc=$?
@@ -52,7 +54,7 @@ for what in "${@:-tests}"; do
     rm -rf /tmp/bench200
     timeout -s KILL ${BENCH_LIMIT:-360} python3 -m pipeline.run +job=bench manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/bench200 "${kernels[@]}" > "$OUT/bench200.log" 2>&1; b200_rc=$?
     cp /tmp/bench200/bench.json "$OUT/bench200.json" 2>/dev/null; cp /tmp/bench200/stats.json "$OUT/bench200_stats.json" 2>/dev/null
-    echo "== bench 200 rows ${KERNELS:-}"; rc $b200_rc; grep -A10 "^| system" "$OUT/bench200.log" | cut -c1-400; [ $b200_rc -ne 0 ] && tail -4 "$OUT/bench200.log" | cut -c1-300
+    bench_summary "bench 200 rows ${KERNELS:-}" $b200_rc "$OUT/bench200.log"
   elif [ "$what" = baseline1000 ]; then
     timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_only=true output.dir="$OUT/baseline1000" > "$OUT/baseline1000.log" 2>&1; base_rc=$?
     echo "== baseline, 1,000 rows"; rc $base_rc; grep -E "diffusers baseline|baseline saved" "$OUT/baseline1000.log" | cut -c1-300
@@ -60,7 +62,7 @@ for what in "${@:-tests}"; do
     rm -rf /tmp/ours1000
     timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_from=outputs/baseline1000 output.dir=/tmp/ours1000 "${kernels[@]}" > "$OUT/ours1000.log" 2>&1; ours_rc=$?
     cp /tmp/ours1000/bench.json "$OUT/bench1000.json" 2>/dev/null; cp /tmp/ours1000/stats.json "$OUT/bench1000_stats.json" 2>/dev/null
-    echo "== ours against the saved baseline, 1,000 rows ${KERNELS:-}"; rc $ours_rc; grep -A10 "^| system" "$OUT/ours1000.log" | cut -c1-400; [ $ours_rc -ne 0 ] && tail -4 "$OUT/ours1000.log" | cut -c1-300
+    bench_summary "ours against the saved baseline, 1,000 rows ${KERNELS:-}" $ours_rc "$OUT/ours1000.log"
   elif [ "$what" = micro ]; then
     timeout -s KILL 90 python3 jobs/bench_kernels.py --micro-only --iters 10 --out "$OUT/bench_micro.json" > "$OUT/bench_micro.log" 2>&1; micro_rc=$?
     echo "== micro"; rc $micro_rc; grep -vE "warn|^\s*$|\"\"\"" "$OUT/bench_micro.log" | tail -14 | cut -c1-250

@@ -217,7 +217,7 @@ def test_trimmed_text_padding_computes_the_same_step(tiny):
     tiny.fit_text_length(["a cat"], multiple=8)
     short = tiny.encode(["a dog"])
     assert tiny.text_length == 8 and short["emb"].shape[1] == 8 and short["mask"].shape[1] == 8
-    with pytest.raises(ValueError, match="has 19 tokens, more than the 8 fitted"):  # never cut a prompt short
+    with pytest.raises(ValueError, match="has more than the 8 tokens fitted"):  # never cut a prompt short
         tiny.encode(prompts[:1])
     tiny.fit_text_length(prompts, multiple=4)
     trimmed = tiny.encode(prompts)

@@ -87,9 +87,7 @@ class PixArtAdapter(TransformerVAE):
         if self.text_encoder is None:
             raise RuntimeError(released_message(self.name))
         text = clean_prompts(prompts)
-        if self.text_length < self.max_sequence_length:
-            self.check_text_fits(text)
-        tokens = pad_tokens(self.tokenizer, text, self.text_length)
+        tokens = self.tokenize(text)
         mask = to_device(tokens.attention_mask, self.device)
         encoder_device = self.text_encoder.device
         emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]
@@ -108,12 +106,18 @@ class PixArtAdapter(TransformerVAE):
         self.text_length = min(-(-longest // multiple) * multiple, self.max_sequence_length)
         return self.text_length
 
-    def check_text_fits(self, text: list[str]) -> None:
-        """A fitted text length must never cut a prompt that max_sequence_length would keep."""
-        for prompt, ids in zip(text, self.tokenizer(text, add_special_tokens=True)["input_ids"]):
-            if len(ids) > self.text_length:
-                raise ValueError(f"prompt {prompt[:80]!r} has {len(ids)} tokens, more than the {self.text_length} fitted "
-                                 "to the job's texts (kernels.trim_text_padding): fit_text_length was not given it")
+    def tokenize(self, text: list[str]):
+        """Padded to text_length. A fitted (shorter) length must never cut a prompt that
+        max_sequence_length would keep: one token more is asked for, and must be padding."""
+        if self.text_length == self.max_sequence_length:
+            return pad_tokens(self.tokenizer, text, self.text_length)
+        tokens = pad_tokens(self.tokenizer, text, self.text_length + 1)
+        cut = tokens.attention_mask[:, -1].nonzero().flatten().tolist()
+        if cut:
+            raise ValueError(f"prompt {text[cut[0]][:80]!r} has more than the {self.text_length} tokens fitted to the "
+                             "job's texts (kernels.trim_text_padding): fit_text_length was not given it")
+        tokens["input_ids"], tokens["attention_mask"] = tokens.input_ids[:, :-1], tokens.attention_mask[:, :-1]
+        return tokens
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """PixArt-Alpha at sample_size 128: resolution [n, 2] = (height, width) and aspect ratio
