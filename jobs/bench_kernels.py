@@ -48,12 +48,14 @@ from pipeline.kernels import CONTIGUOUS_HOOK, SDPA, apply_kernels, check_kernels
 
 # A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
-# (inductor's max-autotune-no-cudagraphs), fuse (fused q|k|v projections), fp8 (torchao float8),
+# (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
+# kernels), fuse (fused q|k|v projections), fp8 (torchao float8),
 # gelu (the feed-forward's GELU in the matmul's epilogue).
 # fuse and fp8 change the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
-OPTIONS = ("compile", "static", "blocks", "autotune", "fuse", "fp8", "gelu")
-COMPILE_OPTIONS = ("static", "blocks", "autotune")
+OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu")
+COMPILE_OPTIONS = ("static", "blocks", "autotune", "tune")
+MODES = {"autotune": "max-autotune-no-cudagraphs", "tune": "coordinate-descent"}
 
 
 def variant_kernels(name: str) -> KernelsConfig:
@@ -68,9 +70,12 @@ def variant_kernels(name: str) -> KernelsConfig:
     uncompiled = [o for o in options if o in COMPILE_OPTIONS and "compile" not in options]
     if uncompiled:
         raise SystemExit(f"variant {name!r}: {uncompiled} set how to compile; add +compile")
+    modes = [MODES[o] for o in options if o in MODES]
+    if len(modes) > 1:
+        raise SystemExit(f"variant {name!r}: choose one of {list(MODES)}")
     return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
                          compile_scope="blocks" if "blocks" in options else "model",
-                         compile_mode="max-autotune-no-cudagraphs" if "autotune" in options else "default",
+                         compile_mode=modes[0] if modes else "default",
                          fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options)
 
 
@@ -322,7 +327,8 @@ def format_report(r: dict) -> str:
     lines = [f"bf16 matmul {r['matmul_n']}^3: {rate:.0f} TFLOP/s (reference rate)",
              "SDPA at 16 rows x 16 heads x 4096 tokens x 72: " + ", ".join(
                  f"{k} {v.get('tflops', v.get('error'))} TFLOP/s" for k, v in r["sdpa"].items()),
-             f"CFG step at {r['side']} px, bucket {r['bucket']} ({r['step_tflop']:.1f} TFLOP per step):",
+             f"CFG step at {r['side']} px, bucket {r['bucket']}, {r.get('text_tokens', 300)} caption tokens "
+             f"({r['step_tflop']:.1f} TFLOP per step):",
              "| variant | ms/step | TFLOP/s | % of matmul rate | compile/first pass s | replay == eager | rel. error vs auto |",
              "|---|---|---|---|---|---|---|"]
     for name, v in r["variants"].items():
@@ -358,6 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bucket", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--text-tokens", type=int, default=None,
+                   help="caption tokens per prompt (PixArt; default max_sequence_length, 300): what "
+                        "kernels.trim_text_padding fits to a manifest's prompts, e.g. 64")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--no-scopes", action="store_true")
     p.add_argument("--profile", action="store_true", help="kernel time per step by category, per variant")
@@ -379,6 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.micro_only:
         return save_and_report(results, format_micro(results), args.out)
     adapter = pixart_adapter("tiny" if smoke else "pixart_sigma", device)
+    if args.text_tokens is not None:
+        adapter.text_length = min(args.text_tokens, adapter.max_sequence_length)
+    results["text_tokens"] = adapter.text_length
     inputs = make_inputs(adapter.input_specs(side, side), bucket, device)
     results["step_flops_by_kind"] = step_flops_by_kind(adapter, inputs)
     results["step_tflop"] = sum(results["step_flops_by_kind"].values()) / 1e12

@@ -7,12 +7,15 @@
 #        # issue 8: +job=bench on 200 rows with those overrides; then fp8 vs bf16 (PSNR, images/s) on 60 rows
 #        # with eager cuDNN kernels (float8 under torch.compile did not compile within 5 minutes; fp8 excludes fuse_gelu)
 #   bash jobs/gpu_checks.sh kernels      # issue 8: the kernel table at 1024 px, 8 prompts, time by kernel category and
-#                                        # top kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others)
+#                                        # top kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others; TEXT_TOKENS=64:
+#                                        # captions of 64 tokens, as kernels.trim_text_padding fits them)
 #   bash jobs/gpu_checks.sh kernels512   # the same at 512 px, 16 prompts (the bench manifest's most common shape)
 #   bash jobs/gpu_checks.sh bench200     # +job=bench (its own kernels and ladder; KERNELS overrides them) on 200 rows
-#   bash jobs/gpu_checks.sh baseline1000 # the 1,000-row baseline alone (about 370 s), saved to $OUT/baseline1000; copy
-#                                        # the fetched folder to outputs/baseline1000 here, then in the next command
-#   bash jobs/gpu_checks.sh ours1000     # (carry outputs/baseline1000) our job on the same rows against that baseline
+#   bash jobs/gpu_checks.sh baseline1000 # the 1,000-row baseline alone (about 350 s), saved as $OUT/baseline1000.tar;
+#                                        # unpack the fetched tar into outputs/ here, then in the next command
+#   bash jobs/gpu_checks.sh ours1000     # (carry outputs/baseline1000) our job on the same rows against that baseline,
+#                                        # compiling from an empty inductor cache (COMPILE_CACHE=dir: that cache)
+#   bash jobs/gpu_checks.sh cache        # the 60-row job twice with one fresh kernels.compile_cache_dir: compile cold, then warm
 #   bash jobs/gpu_checks.sh micro        # SDPA as the step calls it (views, masked cross-attention), GELU epilogue
 #   DECODE_ARGS="--variants nchw compile" bash jobs/gpu_checks.sh decode  # VAE decode per image, 512/768/1024 px
 #   KERNELS=... bash jobs/gpu_checks.sh warmup   # our job alone on 60 rows with TORCH_LOGS=recompiles: graphs, compile s
@@ -45,7 +48,7 @@ for what in "${@:-tests}"; do
     bench_summary "bench ${KERNELS:-}" $bench_rc "$OUT/bench_job.log"
     echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do [ -f "$f" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
   elif [ "$what" = kernels ]; then
-    timeout -s KILL ${KERNELS_LIMIT:-200} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile --variants ${KERNEL_VARIANTS:-cudnn cudnn+compile+blocks cudnn+compile+static} --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1; kernels_rc=$?
+    timeout -s KILL ${KERNELS_LIMIT:-200} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile ${TEXT_TOKENS:+--text-tokens $TEXT_TOKENS} --variants ${KERNEL_VARIANTS:-cudnn cudnn+compile+blocks cudnn+compile+static} --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1; kernels_rc=$?
     echo "== kernels"; rc $kernels_rc; grep -E "^\||TFLOP|Error|^Top|^  " "$OUT/bench_kernels.log" | cut -c1-160
   elif [ "$what" = kernels512 ]; then
     timeout -s KILL ${K512_LIMIT:-100} python3 jobs/bench_kernels.py --side 512 --bucket 16 --iters 8 --no-scopes --profile --variants cudnn cudnn+compile+blocks --out "$OUT/bench_kernels_512.json" > "$OUT/bench_kernels_512.log" 2>&1; k512_rc=$?
@@ -58,11 +61,24 @@ for what in "${@:-tests}"; do
   elif [ "$what" = baseline1000 ]; then
     timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_only=true output.dir="$OUT/baseline1000" > "$OUT/baseline1000.log" 2>&1; base_rc=$?
     echo "== baseline, 1,000 rows"; rc $base_rc; grep -E "diffusers baseline|baseline saved" "$OUT/baseline1000.log" | cut -c1-300
+    # one file: the device tool brings back only a few files per command
+    tar -C "$OUT" -cf "$OUT/baseline1000.tar" baseline1000 && rm -rf "$OUT/baseline1000"
   elif [ "$what" = ours1000 ]; then
     rm -rf /tmp/ours1000
-    timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_from=outputs/baseline1000 output.dir=/tmp/ours1000 "${kernels[@]}" > "$OUT/ours1000.log" 2>&1; ours_rc=$?
+    cache=${COMPILE_CACHE:-$(mktemp -d /tmp/inductor-cold.XXXX)}  # default: compile from nothing, as a first run does
+    timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_from=${BASELINE_FROM:-outputs/baseline1000} output.dir=/tmp/ours1000 kernels.compile_cache_dir=$cache "${kernels[@]}" > "$OUT/ours1000.log" 2>&1; ours_rc=$?
     cp /tmp/ours1000/bench.json "$OUT/bench1000.json" 2>/dev/null; cp /tmp/ours1000/stats.json "$OUT/bench1000_stats.json" 2>/dev/null
     bench_summary "ours against the saved baseline, 1,000 rows ${KERNELS:-}" $ours_rc "$OUT/ours1000.log"
+  elif [ "$what" = cache ]; then
+    cache=$(mktemp -d /tmp/inductor-cache.XXXX)
+    for run in cold warm; do
+      rm -rf /tmp/cache-$run
+      timeout -s KILL ${WARMUP_LIMIT:-180} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/cache-$run kernels.compile_cache_dir=$cache "${kernels[@]}" > "$OUT/cache_$run.log" 2>&1; eval "cache_${run}_rc=$?"
+      cp /tmp/cache-$run/stats.json "$OUT/cache_${run}_stats.json" 2>/dev/null
+    done
+    echo "== compile cache: the 60-row job twice, one inductor cache ${KERNELS:-}"; rc $cache_cold_rc; rc $cache_warm_rc
+    for run in cold warm; do [ -f "$OUT/cache_${run}_stats.json" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); k=s['kernels']; print(sys.argv[2], 'compile_s', k.get('compile_s'), 'first_pass_s', k.get('first_pass_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'generate img/s', s.get('images_per_s'))" "$OUT/cache_${run}_stats.json" $run; done
+    du -sh "$cache"
   elif [ "$what" = micro ]; then
     timeout -s KILL 90 python3 jobs/bench_kernels.py --micro-only --iters 10 --out "$OUT/bench_micro.json" > "$OUT/bench_micro.log" 2>&1; micro_rc=$?
     echo "== micro"; rc $micro_rc; grep -vE "warn|^\s*$|\"\"\"" "$OUT/bench_micro.log" | tail -14 | cut -c1-250

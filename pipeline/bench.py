@@ -79,7 +79,7 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
 
     if saved is None:
         baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale,
-                                                 cfg.bench.baseline_batch)
+                                                 cfg.bench.baseline_batch, cfg.bench.reference_images)
     else:
         baseline, reference = saved
     if cfg.bench.baseline_only:
@@ -120,8 +120,9 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     return result
 
 
-def diffusers_baseline(adapter, items, steps: int, guidance: float, batch: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """-> (timing, {id: uint8 image} for the first call of every resolution)."""
+def diffusers_baseline(adapter, items, steps: int, guidance: float, batch: int,
+                       references: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """-> (timing, {id: uint8 image} for the first `references` rows of every resolution)."""
     pipe = to_diffusers(adapter)
     pipe.set_progress_bar_config(disable=True)
     extra = {"use_resolution_binning": False, "clean_caption": False, "max_sequence_length": adapter.max_sequence_length} \
@@ -143,7 +144,7 @@ def diffusers_baseline(adapter, items, steps: int, guidance: float, batch: int) 
             ).images
             calls += 1
             if first == 0:
-                reference.update({it.id: np.asarray(im) for it, im in zip(rows, images)})
+                reference.update({it.id: np.asarray(im) for it, im in zip(rows[:references], images)})
     seconds = time.perf_counter() - start
     log.info("bench: diffusers baseline %d images in %d calls, %.1f s (%.3f img/s)", len(items), calls, seconds, len(items) / seconds)
     return {"pipeline": type(pipe).__name__, "images": len(items), "calls": calls, "batch": batch,

@@ -78,6 +78,9 @@ class KernelsConfig:
     attention: str = "auto"
     # torch.compile the transformer (inductor, static shapes, no inductor CUDA graphs) under our capture.
     compile: bool = False
+    # default | coordinate-descent (inductor times each generated kernel's block sizes at compile:
+    # longer compiles, tuned layer norms and pointwise kernels) | max-autotune-no-cudagraphs (that and
+    # Triton matmul templates timed against cuBLAS: far longer compiles).
     compile_mode: str = "default"
     # One compilation with symbolic batch and token counts for every shape (true), or one per
     # (resolution, bucket) (false: specialised kernels, a compile each).
@@ -97,6 +100,10 @@ class KernelsConfig:
     # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
     # same up to rounding; cross-attention and text encoding do less work.
     trim_text_padding: bool = False
+    # Where inductor keeps what it compiled (FX graphs, Triton kernels), so that the next run of a job
+    # loads instead of compiling; null: torch's own (TORCHINDUCTOR_CACHE_DIR, else
+    # /tmp/torchinductor_<user>). Set a persistent path where /tmp does not outlive a job.
+    compile_cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -158,6 +165,9 @@ class BenchConfig:
     # manifest whose two halves do not fit one session or time limit; same machine, same settings.
     baseline_only: bool = False
     baseline_from: Optional[str] = None
+    # Images per resolution that ours is compared with, pixel by pixel: the first rows of the
+    # baseline's first call at each resolution (kept small: a saved baseline travels with its PNGs).
+    reference_images: int = 4
 
 
 @dataclass
@@ -185,7 +195,7 @@ WEIGHTS = ("random", "pretrained")
 SCOPES = ("forward", "step", "loop")
 SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "flash_attn")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 
 
@@ -236,3 +246,6 @@ def check_choices(cfg: JobConfig) -> None:
         raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
     if cfg.sampler.steps < 1:
         raise UserError(f"sampler.steps={cfg.sampler.steps} must be >= 1")
+    if not 1 <= cfg.bench.reference_images <= cfg.bench.baseline_batch:
+        raise UserError(f"bench.reference_images={cfg.bench.reference_images} must be 1 to bench.baseline_batch "
+                        f"({cfg.bench.baseline_batch}): the rows of the baseline's first call at each resolution")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections import Counter
 from contextlib import nullcontext
+from pathlib import Path
 from types import MethodType
 from typing import Callable, Iterable
 
@@ -261,17 +263,41 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
     if dynamic:
         broadcast_attention_masks(transformer)
+    how = compile_options(mode)
     if scope == "blocks":
         # diffusers compiles every submodule whose class is listed in `_repeated_blocks`; these
         # families do not list theirs, so name the class of the first of `transformer_blocks`.
         transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
         contiguous_block_input(transformer)
-        transformer.compile_repeated_blocks(mode=mode, dynamic=dynamic, fullgraph=True)
+        transformer.compile_repeated_blocks(dynamic=dynamic, fullgraph=True, **how)
     else:
-        transformer.compile(mode=mode, dynamic=dynamic, fullgraph=True)
+        transformer.compile(dynamic=dynamic, fullgraph=True, **how)
     log.info("kernels: transformer %s compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
              "blocks" if scope == "blocks" else "model", mode, "dynamic" if dynamic else "static")
 
+
+
+def compile_options(mode: str) -> dict:
+    """kernels.compile_mode -> torch.compile's keywords. `coordinate-descent` is inductor's default
+    mode with `coordinate_descent_tuning` (torch.compile takes a mode or options, not both)."""
+    if mode == "coordinate-descent":
+        return {"options": {"coordinate_descent_tuning": True}}
+    return {"mode": mode}
+
+
+def use_compile_cache(directory: str | None) -> str:
+    """Point inductor's on-disk caches (FX graphs, autotuning, Triton kernels) at `directory` (None:
+    leave torch's choice) -> the directory in use. After an earlier compile in the process too:
+    inductor then set Triton's directory inside the old one, and that follows."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if directory is not None:
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(directory).expanduser().resolve())
+        triton = os.environ.get("TRITON_CACHE_DIR")
+        if before and triton and triton.startswith(before):  # inductor's, from an earlier compile: follow the move
+            del os.environ["TRITON_CACHE_DIR"]
+    return cache_dir()
 
 
 def broadcast_attention_masks(transformer: torch.nn.Module) -> None:
@@ -308,12 +334,16 @@ def contiguous_block_input(transformer: torch.nn.Module) -> None:
 
 def compile_stats(since: dict | None = None) -> dict:
     """What torch.compile did in this process (since the `since` snapshot, an earlier return): the
-    graphs dynamo compiled (a new shape that breaks a guard adds one) and the seconds spent compiling
-    them (tracing, inductor, Triton). dynamo's counters are per process, never reset."""
+    graphs dynamo compiled (a new shape that breaks a guard adds one), the seconds spent compiling
+    them (tracing, inductor, Triton), and how many inductor found in its cache. dynamo's counters are
+    per process, never reset."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     seconds = sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
-    now = {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "compile_s": seconds}
+    now = {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "compile_s": seconds,
+           # inductor's FX graph cache (kernels.compile_cache_dir): graphs loaded instead of compiled
+           "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+           "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
     if since is not None:
         now = {key: value - since[key] for key, value in now.items()}
     return {**now, "compile_s": round(now["compile_s"], 2)}
@@ -407,7 +437,7 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
                         "on the H200 a step took 1.6x as long as bf16 (docs/BENCHMARKS.md)")
     if kernels.compile:
         report.update(compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic,
-                      compile_scope=kernels.compile_scope)
+                      compile_scope=kernels.compile_scope, compile_cache_dir=use_compile_cache(kernels.compile_cache_dir))
         compile_transformer(adapter.transformer, kernels.compile_mode, shapes, kernels.compile_dynamic,
                             kernels.compile_scope)
     return report

@@ -163,7 +163,8 @@ def test_job_reports_the_attention_backend_and_kernels_are_settings(tmp_path):
 def test_kernel_options_that_change_no_image_are_not_settings(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     run(cpu_job(manifest, tmp_path / "out"))
-    again = run(cpu_job(manifest, tmp_path / "out", "kernels.compile_mode=max-autotune-no-cudagraphs"))  # compile is off
+    again = run(cpu_job(manifest, tmp_path / "out", "kernels.compile_mode=max-autotune-no-cudagraphs",  # compile is off
+                        f"kernels.compile_cache_dir={tmp_path / 'cache'}"))  # where compiles are kept, not what they compute
     assert again["images"]["skipped"] == 1 and again["images"]["ok"] == 0
 
 
@@ -203,6 +204,36 @@ def test_dynamic_regional_compile_serves_every_shape_with_one_graph(tiny):
     assert attn.prepare_attention_mask(mask, 7, 3).shape == (3 * attn.heads, 1, 7)
     assert outputs[128, 2].shape[0] == 2 and outputs[160, 3].shape[-1] == 160 // 8
 
+
+@pytest.mark.slow
+def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny, tmp_path, monkeypatch):
+    """kernels.compile_mode=coordinate-descent is a compile inductor accepts and that computes the
+    eager step; kernels.compile_cache_dir is where inductor keeps it, and a second compile of the
+    same blocks (the next run of the job) loads it from there instead of compiling."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # restored after the test
+        monkeypatch.delenv(name, raising=False)
+    x = inputs(tiny)
+    with torch.no_grad():
+        reference = tiny.guided_eps(x)
+    cache = tmp_path / "inductor"
+    kernels = KernelsConfig(compile=True, compile_scope="blocks", compile_mode="coordinate-descent",
+                            compile_cache_dir=str(cache))
+    torch._dynamo.reset()
+    report = apply_kernels(kernels, tiny, None, shapes=2)
+    assert report["compile_cache_dir"] == str(cache.resolve())
+    with torch.no_grad():
+        out = tiny.guided_eps(x)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+    assert any(p.is_file() for p in (cache / "fxgraph").rglob("*"))  # what the next run loads
+
+    torch._dynamo.reset()  # as a new process: dynamo traces again, inductor finds its graph on disk
+    before = compile_stats()
+    again = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    apply_kernels(kernels, again, None, shapes=2)
+    with torch.no_grad():
+        second = again.guided_eps(x)
+    assert compile_stats(since=before)["cache_hits"] >= 1 and compile_stats(since=before)["cache_misses"] == 0
+    torch.testing.assert_close(second, reference, rtol=1e-4, atol=1e-4)
 
 
 def test_trimmed_text_padding_computes_the_same_step(tiny):

@@ -75,6 +75,8 @@ def test_bench_refuses_before_the_baseline_runs(tmp_path, manifest, monkeypatch)
         run_bench(cpu_job(bad, tmp_path / "out", "bench.baseline=true"))
     with pytest.raises(UserError, match="no valid row"):
         run_bench(cpu_job(bad, tmp_path / "out", "bench.baseline=true", "manifest.on_invalid=skip"))
+    with pytest.raises(UserError, match="bench.reference_images=9 must be 1 to bench.baseline_batch"):
+        run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "bench.reference_images=9"))
     with pytest.raises(UserError, match="kernels.fp8=true needs a CUDA GPU"):
         run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "kernels.fp8=true"))
     committed = tmp_path / "committed"
@@ -119,13 +121,14 @@ def test_bench_baseline_saved_then_compared_from_another_process(tmp_path, manif
     import pipeline.bench as bench
 
     base = tmp_path / "base"
-    saved = run_bench(cpu_job(manifest, base, "bench.baseline=true", "bench.baseline_batch=4", "bench.baseline_only=true"))
+    saved = run_bench(cpu_job(manifest, base, "bench.baseline=true", "bench.baseline_batch=4", "bench.baseline_only=true",
+                              "bench.reference_images=2"))
     assert saved["baseline"]["images"] == 7 and not (base / "images").exists()  # the baseline only
-    assert len(list((base / bench.BASELINE_DIR).glob("*.png"))) == 4 + 2
+    assert len(list((base / bench.BASELINE_DIR).glob("*.png"))) == 2 + 2  # two per resolution
     monkeypatch.setattr(bench, "diffusers_baseline", lambda *a, **k: pytest.fail("the baseline ran again"))
     result = run_bench(cpu_job(manifest, base, "bench.baseline=true", "bench.baseline_batch=4", f"bench.baseline_from={base}"))
     assert result["baseline"] == saved["baseline"] and result["baseline_from"] == str(base)
-    assert result["ours"]["images"] == 7 and result["vs_baseline_pixels"]["images"] == 6
+    assert result["ours"]["images"] == 7 and result["vs_baseline_pixels"]["images"] == 4
     assert result["vs_baseline_pixels"]["max"] <= 2  # as in the same-run test
     with pytest.raises(UserError, match="that baseline ran other rows or settings"):
         run_bench(cpu_job(manifest, tmp_path / "other", "bench.baseline=true", f"bench.baseline_from={base}"))  # batch 8
