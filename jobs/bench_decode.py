@@ -9,7 +9,10 @@ For each side in `--sides` and each variant, `--batch` latents are decoded as th
 (`PixArtAdapter.decode`: the scaled latents through `vae.decode`); median ms per image over `--iters`
 calls, and the uint8 images' difference (levels) against the first variant. Variants: `nchw` (the
 default layout), `channels_last` (the VAE's weights in channels_last: cuDNN's NHWC convolutions),
-`compile` (the decoder compiled per shape by inductor, NCHW), `channels_last+compile`.
+`compile` (the decoder compiled per shape by inductor, NCHW), `channels_last+compile`, `chunked` (what
+`kernels.compile_decoder` runs: the decoder compiled once with symbolic height and width, latents
+decoded `--chunk` at a time by `pipeline.kernels.decode_in_chunks`; its first call at the first side
+includes the one compilation).
 CPU check (the tiny model's VAE): `python jobs/bench_decode.py --smoke --out /tmp/d.json`.
 """
 
@@ -30,8 +33,9 @@ from diffusers import AutoencoderKL
 
 from jobs.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
 from pipeline.generate import to_uint8
+from pipeline.kernels import decode_in_chunks
 
-VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile")
+VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked")
 
 
 def build_vae(model: str, device: torch.device) -> AutoencoderKL:
@@ -48,6 +52,8 @@ def set_variant(vae: AutoencoderKL, name: str) -> None:
     vae.decoder.forward = vae.decoder.__class__.forward.__get__(vae.decoder)  # undo an earlier compile
     if "compile" in name:
         vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=False)
+    elif name == "chunked":
+        vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=True, fullgraph=True)
 
 
 def decode(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=["nchw", "channels_last"])
+    p.add_argument("--chunk", type=int, default=4, help="latents per decoder call of the chunked variant")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     args = p.parse_args(argv)
@@ -78,10 +85,12 @@ def main(argv: list[str] | None = None) -> dict:
         reference = None
         for name in args.variants:
             set_variant(vae, name)
+            call = (lambda: decode_in_chunks(lambda x: decode(vae, x), latents, args.chunk)) if name == "chunked" \
+                else (lambda: decode(vae, latents))
             start = time.perf_counter()
-            images = to_uint8(decode(vae, latents)).cpu()
+            images = to_uint8(call()).cpu()
             first_s = time.perf_counter() - start
-            ms = time_calls(lambda: decode(vae, latents), device, 1, iters)
+            ms = time_calls(call, device, 1, iters)
             reference = images if reference is None else reference
             diff = (images.int() - reference.int()).abs()
             row[name] = {"ms_per_image": round(ms / batch, 3), "first_call_s": round(first_s, 2),

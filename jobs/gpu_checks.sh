@@ -17,7 +17,8 @@
 #                                        # compiling from an empty inductor cache (COMPILE_CACHE=dir: that cache)
 #   bash jobs/gpu_checks.sh cache        # the 60-row job twice with one fresh kernels.compile_cache_dir: compile cold, then warm
 #   bash jobs/gpu_checks.sh micro        # SDPA as the step calls it (views, masked cross-attention), GELU epilogue
-#   DECODE_ARGS="--variants nchw compile" bash jobs/gpu_checks.sh decode  # VAE decode per image, 512/768/1024 px
+#   DECODE_ARGS="--variants nchw compile chunked" bash jobs/gpu_checks.sh decode  # VAE decode per image, 512/768/1024 px
+#                                        # (chunked: kernels.compile_decoder's one compilation for every side)
 #   KERNELS=... bash jobs/gpu_checks.sh warmup   # our job alone on 60 rows with TORCH_LOGS=recompiles: graphs, compile s
 # Every step has its own hard time limit (a compile can outlast a polite SIGTERM: the job finishes its step first).
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).

@@ -100,6 +100,11 @@ class KernelsConfig:
     # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
     # same up to rounding; cross-attention and text encoding do less work.
     trim_text_padding: bool = False
+    # torch.compile the VAE decoder too (inductor, under kernels.compile_mode). Latents are decoded in
+    # chunks of `decode_chunk` (the last one padded), so one compilation serves every resolution and
+    # batch: the batch is fixed, height and width are symbolic. Images differ from eager by rounding.
+    compile_decoder: bool = False
+    decode_chunk: int = 4
     # Where inductor keeps what it compiled (FX graphs, Triton kernels), so that the next run of a job
     # loads instead of compiling; null: torch's own (TORCHINDUCTOR_CACHE_DIR, else
     # /tmp/torchinductor_<user>). Set a persistent path where /tmp does not outlive a job.

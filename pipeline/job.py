@@ -193,7 +193,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             writer_busy_s=round(writer.busy_s, 4),
             gpu_busy=busy.report(generate_s),
             kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4),
-                     **(compile_stats(since=compiled_before) if k.compile else {})},
+                     **(compile_stats(since=compiled_before) if k.compile or k.compile_decoder else {})},
             ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),
             config=resolved_config,

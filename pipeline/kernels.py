@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
@@ -65,6 +66,8 @@ def check_kernels(kernels, family: str | None = None, device: torch.device | Non
     if kernels.fuse_gelu and device is not None and torch.device(device).type != "cuda":
         raise UserError("kernels.fuse_gelu=true needs CUDA: cuBLASLt's GELU epilogue is the tanh GELU these models use, "
                         "while PyTorch's CPU version of the fused op computes the exact GELU; set kernels.fuse_gelu=false")
+    if kernels.compile_decoder and kernels.decode_chunk < 1:
+        raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
     if kernels.trim_text_padding and family is not None and family not in TRIM_TEXT_FAMILIES:
         raise UserError(f"kernels.trim_text_padding=true: model families {list(TRIM_TEXT_FAMILIES)} mask the text padding "
                         f"out of attention, {family!r} does not (its images would change); set kernels.trim_text_padding=false")
@@ -300,6 +303,45 @@ def use_compile_cache(directory: str | None) -> str:
     return cache_dir()
 
 
+def compile_decoder(adapter, mode: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
+    """Compile the VAE decoder and decode through `decode_in_chunks` from now on; with `probe_size`,
+    decode one chunk of zeros there so that the compile happens now, at warm-up, not in the first
+    batch -> seconds that took."""
+    adapter.vae.decoder.compile(dynamic=True, fullgraph=True, **compile_options(mode))
+    decode = adapter.decode
+    adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
+    if probe_size is None:
+        return 0.0
+    start = time.perf_counter()
+    zeros = torch.zeros(1, *adapter.latent_shape(*probe_size), dtype=adapter.dtype, device=adapter.device)
+    with torch.no_grad():
+        adapter.decode(zeros)
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    return time.perf_counter() - start
+
+
+def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`decode` over `chunk` latents at a time, the last chunk padded with copies of its last row and
+    the padding's images dropped. The batch is marked static and duck sizing is off while dynamo
+    traces, so a compiled decoder has one graph for every height and width (duck sizing would give a
+    square latent's two sides one symbol, and a batch of 1 its own graph)."""
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+
+    images = []
+    for first in range(0, latents.shape[0], chunk):
+        part = latents[first:first + chunk]
+        rows = part.shape[0]
+        if rows < chunk:
+            part = torch.cat([part, part[-1:].expand(chunk - rows, *part.shape[1:])])
+        part = part.contiguous()
+        torch._dynamo.mark_static(part, 0)
+        with fx_config.patch(use_duck_shape=False):
+            images.append(decode(part)[:rows])
+    return torch.cat(images)
+
+
 def broadcast_attention_masks(transformer: torch.nn.Module) -> None:
     """diffusers repeats an attention mask per head with `repeat_interleave`, whose output size
     dynamo fixes to the batch it first sees (on the H200, torch 2.11: one compilation per bucket).
@@ -388,6 +430,8 @@ def output_kernels(kernels) -> dict:
     for key in ("fuse_gelu", "trim_text_padding"):  # keys added later count only away from their default
         if getattr(kernels, key):
             out[key] = True
+    if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
+        out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, compile_mode=kernels.compile_mode)
     return out
 
 
@@ -435,9 +479,15 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
         if not kernels.compile:
             log.warning("kernels: float8 without kernels.compile scales activations in separate, unfused kernels: "
                         "on the H200 a step took 1.6x as long as bf16 (docs/BENCHMARKS.md)")
+    if kernels.compile or kernels.compile_decoder:
+        report.update(compile_mode=kernels.compile_mode, compile_cache_dir=use_compile_cache(kernels.compile_cache_dir))
     if kernels.compile:
-        report.update(compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic,
-                      compile_scope=kernels.compile_scope, compile_cache_dir=use_compile_cache(kernels.compile_cache_dir))
+        report.update(compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
         compile_transformer(adapter.transformer, kernels.compile_mode, shapes, kernels.compile_dynamic,
                             kernels.compile_scope)
+    if kernels.compile_decoder:
+        seconds = compile_decoder(adapter, kernels.compile_mode, kernels.decode_chunk, probe_size)
+        report.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, decoder_first_pass_s=round(seconds, 2))
+        log.info("kernels: VAE decoder compiled with inductor (mode=%s), %d latents per call; first pass %.1f s",
+                 kernels.compile_mode, kernels.decode_chunk, seconds)
     return report

@@ -23,3 +23,13 @@ def test_smoke_run_reports_every_layout_against_the_first(tmp_path):
 def test_unknown_variant_is_named(tmp_path):
     with pytest.raises(SystemExit, match="variant 'nhwc' is not known"):
         main(["--smoke", "--variants", "nhwc", "--out", str(tmp_path / "d.json")])
+
+
+@pytest.mark.slow
+def test_chunked_variant_decodes_what_the_job_decodes(tmp_path):
+    """The variant of kernels.compile_decoder: compiled, one latent per call here, the same images up
+    to bf16 rounding."""
+    out = tmp_path / "d.json"
+    main(["--smoke", "--variants", "nchw", "chunked", "--chunk", "1", "--out", str(out)])
+    row = json.loads(out.read_text())["sides"]["64"]
+    assert row["chunked"]["ms_per_image"] > 0 and row["chunked"]["max_levels"] <= 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,8 +15,8 @@ from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import (FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_stats, probe_attention,
-                              use_flash_attn, with_attention)
+from pipeline.kernels import (FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_stats, decode_in_chunks,
+                              probe_attention, use_flash_attn, with_attention)
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -234,6 +235,42 @@ def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny,
         second = again.guided_eps(x)
     assert compile_stats(since=before)["cache_hits"] >= 1 and compile_stats(since=before)["cache_misses"] == 0
     torch.testing.assert_close(second, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_in_chunks_calls_the_decoder_with_full_chunks_only():
+    """Every decoder call gets exactly `chunk` latents, in order; the padding's images are dropped."""
+    calls = []
+
+    def decoder(latents):
+        calls.append(latents.shape[0])
+        return latents * 2
+
+    latents = torch.arange(7 * 2 * 3 * 3, dtype=torch.float32).reshape(7, 2, 3, 3)
+    assert torch.equal(decode_in_chunks(decoder, latents, 3), latents * 2)
+    assert calls == [3, 3, 3]
+    assert torch.equal(decode_in_chunks(decoder, latents[:2], 4), latents[:2] * 2) and calls[-1] == 4
+    with pytest.raises(UserError, match="kernels.decode_chunk=0 must be >= 1"):
+        check_kernels(KernelsConfig(compile_decoder=True, decode_chunk=0))
+
+
+
+@pytest.mark.slow
+def test_compiled_decoder_serves_every_resolution_with_one_graph_and_is_a_setting(tmp_path):
+    """kernels.compile_decoder: square and non-square resolutions, full and padded chunks, one
+    compilation (made at warm-up); the images are eager's up to rounding; a change is a setting."""
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2), ("c", 64, 64, 3),
+                                                          ("d", 128, 64, 4), ("e", 96, 64, 5)))
+    eager = run(cpu_job(manifest, tmp_path / "eager"))
+    torch._dynamo.reset()
+    report = run(cpu_job(manifest, tmp_path / "compiled", "kernels.compile_decoder=true", "kernels.decode_chunk=2"))
+    assert eager["images"]["ok"] == report["images"]["ok"] == 5
+    k = report["kernels"]
+    assert k["compile_decoder"] and k["decode_chunk"] == 2 and k["compiled_graphs"] == 1 and k["decoder_first_pass_s"] > 0
+    for row in "abcde":
+        ours, theirs = (png(tmp_path / out / "images" / f"{row}.png").astype(int) for out in ("compiled", "eager"))
+        assert int(np.abs(ours - theirs).max()) <= 1
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):
+        run(cpu_job(manifest, tmp_path / "compiled"))
 
 
 def test_trimmed_text_padding_computes_the_same_step(tiny):
