@@ -33,7 +33,7 @@ from diffusers import AutoencoderKL
 
 from jobs.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
 from pipeline.generate import to_uint8
-from pipeline.kernels import decode_in_chunks
+from pipeline.kernels import compile_vae_decoder, decode_in_chunks
 
 VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked")
 
@@ -53,7 +53,7 @@ def set_variant(vae: AutoencoderKL, name: str) -> None:
     if "compile" in name:
         vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=False)
     elif name == "chunked":
-        vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=True, fullgraph=True)
+        compile_vae_decoder(vae.decoder, "default")
 
 
 def decode(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:

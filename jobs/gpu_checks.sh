@@ -78,7 +78,7 @@ for what in "${@:-tests}"; do
       cp /tmp/cache-$run/stats.json "$OUT/cache_${run}_stats.json" 2>/dev/null
     done
     echo "== compile cache: the 60-row job twice, one inductor cache ${KERNELS:-}"; rc $cache_cold_rc; rc $cache_warm_rc
-    for run in cold warm; do [ -f "$OUT/cache_${run}_stats.json" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); k=s['kernels']; print(sys.argv[2], 'compile_s', k.get('compile_s'), 'first_pass_s', k.get('first_pass_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'generate img/s', s.get('images_per_s'))" "$OUT/cache_${run}_stats.json" $run; done
+    for run in cold warm; do [ -f "$OUT/cache_${run}_stats.json" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); k=s['kernels']; print(sys.argv[2], 'compile_s', k.get('compile_s'), 'cache hits/misses', k.get('cache_hits'), k.get('cache_misses'), 'first_pass_s', k.get('first_pass_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'generate img/s', s.get('images_per_s'))" "$OUT/cache_${run}_stats.json" $run; done
     du -sh "$cache"
   elif [ "$what" = micro ]; then
     timeout -s KILL 90 python3 jobs/bench_kernels.py --micro-only --iters 10 --out "$OUT/bench_micro.json" > "$OUT/bench_micro.log" 2>&1; micro_rc=$?

@@ -220,6 +220,6 @@ def table(result: dict) -> str:
         f"ladder {o['ladder']}, scope {o['scope']}, kernels {o['kernels']}",
         f"stage seconds {o['stage_s']}; padded-row share {o['padded_row_share']:.1%}; graph pool {o['graph_pool_mib']} MiB; "
         f"capture {o['capture_s']} s (warm-up {o['warmup_s']} s); GPU busy {o['gpu_busy']}",
-        f"ours vs diffusers on the reference rows (bench.reference_images per resolution): {result['vs_baseline_pixels']}",
+        f"ours vs diffusers on the baseline's reference rows (the first of each resolution): {result['vs_baseline_pixels']}",
     ]
     return "\n".join(lines)

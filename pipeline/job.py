@@ -26,7 +26,7 @@ from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
-from pipeline.kernels import apply_kernels, check_kernels, compile_stats, output_kernels, with_attention
+from pipeline.kernels import apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels, with_attention
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
@@ -95,7 +95,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     if ladder != AUTO:
         plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs)
 
-    with JobLock(out_dir, shard.name), StopSignals() as stop:
+    with JobLock(out_dir, shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
         if bad:
             atomic_write_table(out_dir / ERRORS, errors_table(bad))
             log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import MethodType
 from typing import Callable, Iterable
@@ -288,26 +288,36 @@ def compile_options(mode: str) -> dict:
     return {"mode": mode}
 
 
-def use_compile_cache(directory: str | None) -> str:
-    """Point inductor's on-disk caches (FX graphs, autotuning, Triton kernels) at `directory` (None:
-    leave torch's choice) -> the directory in use. After an earlier compile in the process too:
-    inductor then set Triton's directory inside the old one, and that follows."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
+
+@contextmanager
+def compile_cache(directory: str | None):
+    """Inductor's on-disk caches (FX graphs, autotuning, Triton kernels) in `directory` while the
+    block runs (None: torch's choice), then the environment as it was: the next job of the same
+    process (a Hydra sweep) gets its own setting. Inductor sets Triton's directory inside its own at
+    the first compile, so a Triton directory inside the old one follows the move."""
+    saved = {name: os.environ.get(name) for name in CACHE_ENV}
     if directory is not None:
-        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(directory).expanduser().resolve())
-        triton = os.environ.get("TRITON_CACHE_DIR")
-        if before and triton and triton.startswith(before):  # inductor's, from an earlier compile: follow the move
+        old, triton = saved["TORCHINDUCTOR_CACHE_DIR"], saved["TRITON_CACHE_DIR"]
+        if old and triton and triton.startswith(old):
             del os.environ["TRITON_CACHE_DIR"]
-    return cache_dir()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def compile_decoder(adapter, mode: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
-    """Compile the VAE decoder and decode through `decode_in_chunks` from now on; with `probe_size`,
-    decode one chunk of zeros there so that the compile happens now, at warm-up, not in the first
-    batch -> seconds that took."""
-    adapter.vae.decoder.compile(dynamic=True, fullgraph=True, **compile_options(mode))
+    """Compile the VAE decoder (`compile_vae_decoder`) and decode through `decode_in_chunks` from now
+    on; with `probe_size`, decode one chunk of zeros there so that the compile happens now, at
+    warm-up, not in the first batch -> seconds that took."""
+    compile_vae_decoder(adapter.vae.decoder, mode)
     decode = adapter.decode
     adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
     if probe_size is None:
@@ -321,24 +331,34 @@ def compile_decoder(adapter, mode: str, chunk: int, probe_size: tuple[int, int] 
     return time.perf_counter() - start
 
 
-def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`decode` over `chunk` latents at a time, the last chunk padded with copies of its last row and
-    the padding's images dropped. The batch is marked static and duck sizing is off while dynamo
-    traces, so a compiled decoder has one graph for every height and width (duck sizing would give a
-    square latent's two sides one symbol, and a batch of 1 its own graph)."""
+def compile_vae_decoder(decoder: torch.nn.Module, mode: str) -> None:
+    """Compile the decoder's forward with symbolic height and width and a static batch (the caller
+    decodes a fixed chunk: `decode_in_chunks`), so one graph serves every resolution. The batch is
+    marked static on the tensor the compiled code receives, and duck sizing is off while dynamo
+    traces: it would give a square latent's two sides one symbol, so a non-square one recompiles."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
+    compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(mode))
+
+    def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        torch._dynamo.mark_static(sample, 0)
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(sample, *args, **kwargs)
+
+    decoder.forward = forward
+
+
+def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`decode` over `chunk` latents at a time, the last chunk padded with copies of its last row and
+    the padding's images dropped: the decoder always sees the same batch."""
     images = []
     for first in range(0, latents.shape[0], chunk):
         part = latents[first:first + chunk]
         rows = part.shape[0]
         if rows < chunk:
             part = torch.cat([part, part[-1:].expand(chunk - rows, *part.shape[1:])])
-        part = part.contiguous()
-        torch._dynamo.mark_static(part, 0)
-        with fx_config.patch(use_duck_shape=False):
-            images.append(decode(part)[:rows])
+        images.append(decode(part)[:rows])
     return torch.cat(images)
 
 
@@ -480,7 +500,9 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
             log.warning("kernels: float8 without kernels.compile scales activations in separate, unfused kernels: "
                         "on the H200 a step took 1.6x as long as bf16 (docs/BENCHMARKS.md)")
     if kernels.compile or kernels.compile_decoder:
-        report.update(compile_mode=kernels.compile_mode, compile_cache_dir=use_compile_cache(kernels.compile_cache_dir))
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        report.update(compile_mode=kernels.compile_mode, compile_cache_dir=cache_dir())
     if kernels.compile:
         report.update(compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
         compile_transformer(adapter.transformer, kernels.compile_mode, shapes, kernels.compile_dynamic,

@@ -5,6 +5,7 @@ change of kernels is a change of settings for resume."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -15,8 +16,8 @@ from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import (FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_stats, decode_in_chunks,
-                              probe_attention, use_flash_attn, with_attention)
+from pipeline.kernels import (CACHE_ENV, FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_cache,
+                              compile_stats, decode_in_chunks, probe_attention, use_flash_attn, with_attention)
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -207,32 +208,34 @@ def test_dynamic_regional_compile_serves_every_shape_with_one_graph(tiny):
 
 
 @pytest.mark.slow
-def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny, tmp_path, monkeypatch):
+def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny, tmp_path):
     """kernels.compile_mode=coordinate-descent is a compile inductor accepts and that computes the
     eager step; kernels.compile_cache_dir is where inductor keeps it, and a second compile of the
     same blocks (the next run of the job) loads it from there instead of compiling."""
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # restored after the test
-        monkeypatch.delenv(name, raising=False)
     x = inputs(tiny)
     with torch.no_grad():
         reference = tiny.guided_eps(x)
     cache = tmp_path / "inductor"
     kernels = KernelsConfig(compile=True, compile_scope="blocks", compile_mode="coordinate-descent",
                             compile_cache_dir=str(cache))
+    before_env = {name: os.environ.get(name) for name in CACHE_ENV}
     torch._dynamo.reset()
-    report = apply_kernels(kernels, tiny, None, shapes=2)
-    assert report["compile_cache_dir"] == str(cache.resolve())
-    with torch.no_grad():
-        out = tiny.guided_eps(x)
+    with compile_cache(kernels.compile_cache_dir):
+        report = apply_kernels(kernels, tiny, None, shapes=2)
+        assert report["compile_cache_dir"] == str(cache.resolve())
+        with torch.no_grad():
+            out = tiny.guided_eps(x)
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
     assert any(p.is_file() for p in (cache / "fxgraph").rglob("*"))  # what the next run loads
+    assert {name: os.environ.get(name) for name in CACHE_ENV} == before_env  # the next job has its own
 
     torch._dynamo.reset()  # as a new process: dynamo traces again, inductor finds its graph on disk
     before = compile_stats()
     again = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    apply_kernels(kernels, again, None, shapes=2)
-    with torch.no_grad():
-        second = again.guided_eps(x)
+    with compile_cache(kernels.compile_cache_dir):
+        apply_kernels(kernels, again, None, shapes=2)
+        with torch.no_grad():
+            second = again.guided_eps(x)
     assert compile_stats(since=before)["cache_hits"] >= 1 and compile_stats(since=before)["cache_misses"] == 0
     torch.testing.assert_close(second, reference, rtol=1e-4, atol=1e-4)
 
