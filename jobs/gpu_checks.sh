@@ -30,6 +30,8 @@ export PYTHONUNBUFFERED=1
 fail=0
 rc() { echo "rc=$1"; [ "$1" -eq 0 ] || fail=1; }  # print a step's exit code; remember a failure
 # bench_summary TITLE RC LOG: a +job=bench step's exit code and table, or its last lines if it failed
+# stats_summary LABEL STATS_JSON: a job's images/s, warm-up, wall time, GPU busy and kernels (compile figures included)
+stats_summary() { [ -f "$2" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[2])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'stage_s', s.get('stage_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$1" "$2"; true; }
 bench_summary() { echo "== $1"; rc $2; grep -A10 "^| system" "$3" | cut -c1-400; [ $2 -ne 0 ] && tail -4 "$3" | cut -c1-300; true; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
@@ -47,7 +49,7 @@ for what in "${@:-tests}"; do
     done
     python3 jobs/compare_images.py /tmp/fp8-false /tmp/fp8-true --json "$OUT/fp8_vs_bf16.json" > "$OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
     bench_summary "bench ${KERNELS:-}" $bench_rc "$OUT/bench_job.log"
-    echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do [ -f "$f" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
+    echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$OUT/fp8_vs_bf16.log"; for f in "$OUT"/fp8_false.json "$OUT"/fp8_true.json; do stats_summary "$f" "$f"; done; tail -n2 "$OUT"/fp8_true.log | cut -c1-300
   elif [ "$what" = kernels ]; then
     timeout -s KILL ${KERNELS_LIMIT:-200} python3 jobs/bench_kernels.py --iters 8 --no-scopes --profile ${TEXT_TOKENS:+--text-tokens $TEXT_TOKENS} --variants ${KERNEL_VARIANTS:-cudnn cudnn+compile+blocks cudnn+compile+static} --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1; kernels_rc=$?
     echo "== kernels"; rc $kernels_rc; grep -E "^\||TFLOP|Error|^Top|^  " "$OUT/bench_kernels.log" | cut -c1-160
@@ -78,7 +80,7 @@ for what in "${@:-tests}"; do
       cp /tmp/cache-$run/stats.json "$OUT/cache_${run}_stats.json" 2>/dev/null
     done
     echo "== compile cache: the 60-row job twice, one inductor cache ${KERNELS:-}"; rc $cache_cold_rc; rc $cache_warm_rc
-    for run in cold warm; do [ -f "$OUT/cache_${run}_stats.json" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); k=s['kernels']; print(sys.argv[2], 'compile_s', k.get('compile_s'), 'cache hits/misses', k.get('cache_hits'), k.get('cache_misses'), 'first_pass_s', k.get('first_pass_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'generate img/s', s.get('images_per_s'))" "$OUT/cache_${run}_stats.json" $run; done
+    for run in cold warm; do stats_summary $run "$OUT/cache_${run}_stats.json"; done
     du -sh "$cache"
   elif [ "$what" = micro ]; then
     timeout -s KILL 90 python3 jobs/bench_kernels.py --micro-only --iters 10 --out "$OUT/bench_micro.json" > "$OUT/bench_micro.log" 2>&1; micro_rc=$?
@@ -91,7 +93,7 @@ for what in "${@:-tests}"; do
     TORCH_LOGS=recompiles timeout -s KILL ${WARMUP_LIMIT:-180} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/warmup "${kernels[@]}" > "$OUT/warmup.log" 2>&1; warmup_rc=$?
     cp /tmp/warmup/stats.json "$OUT/warmup_stats.json" 2>/dev/null
     echo "== warmup ${KERNELS:-}"; rc $warmup_rc; echo "recompile lines: $(grep -c 'Recompiling function' "$OUT/warmup.log")"; grep -A3 "Recompiling function" "$OUT/warmup.log" | head -12 | cut -c1-250
-    [ -f "$OUT/warmup_stats.json" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('img/s', s.get('images_per_s'), 'stage_s', s.get('stage_s'), 'kernels', s.get('kernels'), 'warmup_s', s['bcg'].get('warmup_s'), 'busy', (s.get('gpu_busy') or {}).get('fraction'))" "$OUT/warmup_stats.json"
+    stats_summary warmup "$OUT/warmup_stats.json"
     [ $warmup_rc -ne 0 ] && tail -4 "$OUT/warmup.log" | cut -c1-300
   elif [ "$what" = tests ]; then
     python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$OUT/pytest_cuda.log" 2>&1; cuda_rc=$?

@@ -255,8 +255,7 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     `scope`: `model` compiles the whole transformer; `blocks` compiles its repeated transformer block
     once and reuses the code for every block (diffusers' regional compilation: a fraction of the
     compile time, no fusion across block boundaries)."""
-    if mode not in COMPILE_MODES:
-        raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
+    how = compile_options(mode)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
     import torch._dynamo.config as dynamo_config
@@ -266,7 +265,6 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
     if dynamic:
         broadcast_attention_masks(transformer)
-    how = compile_options(mode)
     if scope == "blocks":
         # diffusers compiles every submodule whose class is listed in `_repeated_blocks`; these
         # families do not list theirs, so name the class of the first of `transformer_blocks`.
@@ -279,10 +277,12 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
              "blocks" if scope == "blocks" else "model", mode, "dynamic" if dynamic else "static")
 
 
-
 def compile_options(mode: str) -> dict:
-    """kernels.compile_mode -> torch.compile's keywords. `coordinate-descent` is inductor's default
-    mode with `coordinate_descent_tuning` (torch.compile takes a mode or options, not both)."""
+    """kernels.compile_mode -> torch.compile's keywords (the transformer's and the decoder's compile).
+    `coordinate-descent` is inductor's default mode with `coordinate_descent_tuning` (torch.compile
+    takes a mode or options, not both)."""
+    if mode not in COMPILE_MODES:
+        raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
     if mode == "coordinate-descent":
         return {"options": {"coordinate_descent_tuning": True}}
     return {"mode": mode}

@@ -17,7 +17,7 @@ from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import (CACHE_ENV, FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_cache,
-                              compile_stats, decode_in_chunks, probe_attention, use_flash_attn, with_attention)
+                              compile_options, compile_stats, decode_in_chunks, probe_attention, use_flash_attn, with_attention)
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -254,6 +254,8 @@ def test_decode_in_chunks_calls_the_decoder_with_full_chunks_only():
     assert torch.equal(decode_in_chunks(decoder, latents[:2], 4), latents[:2] * 2) and calls[-1] == 4
     with pytest.raises(UserError, match="kernels.decode_chunk=0 must be >= 1"):
         check_kernels(KernelsConfig(compile_decoder=True, decode_chunk=0))
+    with pytest.raises(UserError, match="kernels.compile_mode='fastest' is not accepted"):  # either compile
+        compile_options("fastest")
 
 
 
