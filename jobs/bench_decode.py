@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from diffusers import AutoencoderKL
 
 from jobs.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
-from pipeline.decode import to_uint8
+from pipeline.generate import to_uint8
 from pipeline.kernels import compile_vae_decoder, decode_in_chunks
 
 VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked")

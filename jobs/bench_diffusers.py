@@ -59,7 +59,7 @@ from omegaconf import OmegaConf
 from bcg.engine import BCGEngine, precision_flags
 from pipeline.config import ModelConfig
 from pipeline.denoise import Denoiser
-from pipeline.decode import to_uint8
+from pipeline.generate import to_uint8
 from pipeline.models import build_model, save_diffusers
 from pipeline.models.pixart import PixArtAdapter
 from pipeline.models.source import build_random_modules

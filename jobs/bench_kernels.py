@@ -50,11 +50,10 @@ from pipeline.kernels import CONTIGUOUS_HOOK, SDPA, apply_kernels, check_kernels
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
 # (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
 # kernels), fuse (fused q|k|v projections), fp8 (torchao float8),
-# gelu (the feed-forward's GELU in the matmul's epilogue), streams (the batch in two slices on two
-# CUDA streams: kernels.batch_streams=2).
+# gelu (the feed-forward's GELU in the matmul's epilogue).
 # fuse and fp8 change the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
-OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu", "streams")
+OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu")
 COMPILE_OPTIONS = ("static", "blocks", "autotune", "tune")
 MODES = {"autotune": "max-autotune-no-cudagraphs", "tune": "coordinate-descent"}
 
@@ -77,8 +76,7 @@ def variant_kernels(name: str) -> KernelsConfig:
     return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
                          compile_scope="blocks" if "blocks" in options else "model",
                          compile_mode=modes[0] if modes else "default",
-                         fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options,
-                         batch_streams=2 if "streams" in options else 1)
+                         fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options)
 
 
 @dataclass

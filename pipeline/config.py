@@ -105,10 +105,6 @@ class KernelsConfig:
     # batch: the batch is static, height and width are symbolic. Images differ from eager by rounding.
     compile_decoder: bool = False
     decode_chunk: int = 4
-    # CUDA: each transformer forward's batch in this many slices, each on its own stream (parallel
-    # branches of the captured graph), so that one slice's memory-bound kernels overlap another's
-    # matmuls. Slices may round differently from the whole batch. Not with compile_scope=model.
-    batch_streams: int = 1
     # Where inductor keeps what it compiled (FX graphs, Triton kernels), so that the next run of a job
     # loads instead of compiling; null: torch's own (TORCHINDUCTOR_CACHE_DIR, else
     # /tmp/torchinductor_<user>). Set a persistent path where /tmp does not outlive a job.

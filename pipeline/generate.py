@@ -1,9 +1,9 @@
 """One planned batch on the device, queued without waiting for it.
 
-`submit_batch` queues a batch's work (conditioning, noise, denoise, then through `pipeline.decode` the
-decode, the uint8 conversion and the finite check, and the copy of both into pinned host memory) and
-returns a `PendingBatch` at once; the writer thread resolves it (waits for its event, builds its
-rows) while the main thread queues the next batch. So the GPU never waits for PNG encoding, Parquet writes or the host's
+`submit_batch` queues a batch's work (conditioning, noise, denoise, decode, the uint8 conversion and
+the finite check, and the copy of both into pinned host memory) and returns a `PendingBatch` at
+once; the writer thread resolves it (waits for its event, builds its rows) while the main thread
+queues the next batch. So the GPU never waits for PNG encoding, Parquet writes or the host's
 preparation of the next batch. `Inflight` bounds how far the host runs ahead, and `GpuBusy` measures
 what is left of the waiting, from events on the GPU's own timeline.
 """
@@ -17,17 +17,18 @@ import numpy as np
 import torch
 
 from bcg.buckets import pick_bucket
-from pipeline.decode import OUT_OF_MEMORY, Decodes
 from pipeline.denoise import Denoiser
 from pipeline.noise import batch_noise
 from pipeline.planner import Batch
 from pipeline.prompts import PromptCache, negative_or_default
 from pipeline.stats import RunStats, StageTimer
+from pipeline.transfer import to_host
 from pipeline.writer import IMAGES_DIR, BatchResult
 
 log = logging.getLogger(__name__)
 
 NON_FINITE = "image has non-finite values (NaN or inf)"
+OUT_OF_MEMORY = "CUDA out of memory even alone and without graphs"
 
 
 @dataclass
@@ -41,8 +42,7 @@ class PendingBatch:
     timer: StageTimer | None = None
     pixels: torch.Tensor | None = None  # [n, H, W, 3] uint8 on the host (pinned on CUDA)
     finite: torch.Tensor | None = None  # [n] bool on the host
-    done: torch.cuda.Event | None = None  # after the decode and the copies to the host
-    denoised: torch.cuda.Event | None = None  # after the denoise
+    done: torch.cuda.Event | None = None
     parts: list["PendingBatch"] = field(default_factory=list)  # an out-of-memory split
     error: str | None = None  # every row failed with this reason
 
@@ -74,13 +74,12 @@ class PendingBatch:
         return rows, [pixels[i] if ok else None for i, ok in enumerate(finite)]
 
 
-def submit_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats,
-                      decodes: Decodes) -> PendingBatch:
+def submit_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> PendingBatch:
     """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
     its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
     that still does not fit is marked failed. The batch still commits as one shard under its key."""
     try:
-        return submit_batch(adapter, denoiser, prompts, batch, fields, stats, decodes)
+        return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
     except torch.OutOfMemoryError:
         if adapter.device.type == "cuda":
             torch.cuda.synchronize(adapter.device)
@@ -91,12 +90,11 @@ def submit_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: 
     if len(items) > 1:
         half = (len(items) + 1) // 2
         halves = (items[:half], items[half:])
-        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats, decodes)
-                 for h in halves]
+        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats) for h in halves]
         return PendingBatch(batch, fields, stats, parts=parts)
     try:
         with denoiser.engine.eager():
-            return submit_batch(adapter, denoiser, prompts, batch, fields, stats, decodes)
+            return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
     except torch.OutOfMemoryError:
         return PendingBatch(batch, fields, stats, error=OUT_OF_MEMORY)
 
@@ -105,10 +103,8 @@ def sub_batch(batch: Batch, items, ladder) -> Batch:
     return Batch(batch.key, batch.height, batch.width, pick_bucket(ladder, len(items)), tuple(items))
 
 
-def submit_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats,
-                 decodes: Decodes) -> PendingBatch:
-    """Queue one planned batch's device work (its decode through `decodes`, at once or once the
-    decoder is compiled); nothing here waits for the device."""
+def submit_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> PendingBatch:
+    """Queue one planned batch's device work; nothing here waits for the device."""
     items = batch.items
     n = len(items)
     device = adapter.device
@@ -122,12 +118,23 @@ def submit_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch
         guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
     with timer.stage("denoise"):
         latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width)
-    pending = PendingBatch(batch, fields, stats, timer)
+    with timer.stage("decode"):
+        images = adapter.decode(latents)
+        finite = torch.isfinite(images).flatten(1).all(1)
+        pixels = to_uint8(images)
+    pending = PendingBatch(batch, fields, stats, timer, to_host(pixels), to_host(finite))
     if device.type == "cuda":
-        pending.denoised = torch.cuda.Event()
-        pending.denoised.record()
-    decodes.submit(pending, latents)
+        pending.done = torch.cuda.Event()
+        pending.done.record()
     return pending
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[n,3,H,W] in [-1,1] -> [n,H,W,3] uint8 on the same device, rounded as diffusers'
+    postprocess does (clamp in the image dtype, then x255 and round-half-even in float32: each is a
+    single correctly rounded operation, so device and host give the same bytes)."""
+    images = (images / 2 + 0.5).clamp(0, 1)
+    return (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
 
 
 def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
@@ -172,8 +179,7 @@ class Inflight:
 def _events_of(pending: PendingBatch) -> list[torch.cuda.Event]:
     if pending.parts:
         return [e for p in pending.parts for e in _events_of(p)]
-    event = pending.done or pending.denoised  # a batch waiting for the decoder's compile: its denoise
-    return [event] if event is not None else []
+    return [pending.done] if pending.done is not None else []
 
 
 class GpuBusy:

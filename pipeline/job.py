@@ -25,7 +25,6 @@ from pipeline.config import JobConfig, check_choices
 from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
-from pipeline.decode import DecoderWarmup, Decodes
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.kernels import apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels, with_attention
 from pipeline.fsutil import atomic_write_table, atomic_write_text
@@ -159,30 +158,22 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
 
         # 6. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
         # for its results. A stop signal takes effect once the queued batches are committed.
-        # kernels.compile_decoder: the decoder compiles on a thread meanwhile; batches wait for it.
         busy = GpuBusy(device)
         inflight = Inflight(cfg.runtime.inflight_batches)
         stats.generate_started = time.perf_counter()
-        warmup = DecoderWarmup(adapter, (todo[0].height, todo[0].width)) if k.compile_decoder and todo else None
-        decodes = Decodes(adapter, writer.submit, warmup)
         try:
             with logging_redirect_tqdm(), tqdm(total=stats.planned - stats.skipped, unit="img",
                                                disable=not cfg.runtime.progress) as bar:
                 for batch in todo:
                     bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
                     busy.begin()
-                    pending = submit_with_retry(adapter, denoiser, prompts, batch, fields, stats, decodes)
+                    pending = submit_with_retry(adapter, denoiser, prompts, batch, fields, stats)
                     busy.end()
-                    decodes.deliver(pending)  # to the writer, once its decode is queued
+                    writer.submit(pending)
                     inflight.admit(pending)
                     bar.update(len(batch.items))
                     stop.check()
-                if decodes.held:  # the decoder compiled for longer than the denoiser ran
-                    busy.begin()
-                    decodes.flush(wait=True)
-                    busy.end()
         finally:
-            decodes.cancel()  # the job is stopping with batches still waiting for the decoder
             writer.close()
             denoiser.engine.close()
         generate_s = time.perf_counter() - stats.generate_started
@@ -201,7 +192,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
             writer_busy_s=round(writer.busy_s, 4),
             gpu_busy=busy.report(generate_s),
-            kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4), **decodes.report(),
+            kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4),
                      **(compile_stats(since=compiled_before) if k.compile or k.compile_decoder else {})},
             ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
             versions=library_versions(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -65,11 +66,6 @@ def check_kernels(kernels, family: str | None = None, device: torch.device | Non
     if kernels.fuse_gelu and device is not None and torch.device(device).type != "cuda":
         raise UserError("kernels.fuse_gelu=true needs CUDA: cuBLASLt's GELU epilogue is the tanh GELU these models use, "
                         "while PyTorch's CPU version of the fused op computes the exact GELU; set kernels.fuse_gelu=false")
-    if kernels.batch_streams < 1:
-        raise UserError(f"kernels.batch_streams={kernels.batch_streams} must be >= 1 (streams per transformer forward)")
-    if kernels.batch_streams > 1 and kernels.compile and kernels.compile_scope == "model":
-        raise UserError("kernels.batch_streams > 1 splits the batch around the transformer's forward, which "
-                        "kernels.compile_scope=model compiles whole; use compile_scope=blocks or batch_streams=1")
     if kernels.compile_decoder and kernels.decode_chunk < 1:
         raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
     if kernels.trim_text_padding and family is not None and family not in TRIM_TEXT_FAMILIES:
@@ -218,47 +214,6 @@ def fuse_qkv(transformer: torch.nn.Module) -> int:
     return len(attentions)
 
 
-# ---- the batch on several streams ------------------------------------------------------------------
-
-
-def split_batch_streams(transformer: torch.nn.Module, parts: int) -> None:
-    """Every transformer forward's batch in `parts` equal slices, each on a CUDA stream of its own
-    (the last on the caller's), joined before the output is used: one slice's memory-bound kernels
-    (norms, modulation, residuals) may run beside another's matmuls and attention. Under capture
-    the slices are parallel branches of the graph. A batch that does not divide runs whole."""
-    forward = transformer.forward
-    streams: dict[torch.device, list[torch.cuda.Stream]] = {}
-
-    def split(hidden_states: torch.Tensor, *args, **kwargs):
-        n = hidden_states.shape[0]
-        if not hidden_states.is_cuda or n % parts:
-            return forward(hidden_states, *args, **kwargs)
-        size = n // parts
-
-        def piece(value, k: int):
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
-                return value[k * size:(k + 1) * size]
-            if isinstance(value, dict):
-                return {key: piece(v, k) for key, v in value.items()}
-            return value
-
-        main = torch.cuda.current_stream(hidden_states.device)
-        side = streams.setdefault(hidden_states.device, [torch.cuda.Stream(hidden_states.device) for _ in range(parts - 1)])
-        outs = []
-        for k in range(parts):
-            stream = side[k] if k < parts - 1 else main
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                outs.append(forward(piece(hidden_states, k), *(piece(a, k) for a in args),
-                                    **{key: piece(v, k) for key, v in kwargs.items()})[0])
-        for stream, out in zip(side, outs):
-            main.wait_stream(stream)
-            out.record_stream(main)
-        return (torch.cat(outs),)
-
-    transformer.forward = split
-
-
 # ---- GELU in the matmul epilogue -----------------------------------------------------------------
 
 
@@ -358,13 +313,22 @@ def compile_cache(directory: str | None):
                 os.environ[name] = value
 
 
-def compile_decoder(adapter, mode: str, chunk: int) -> None:
+def compile_decoder(adapter, mode: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
     """Compile the VAE decoder (`compile_vae_decoder`) and decode through `decode_in_chunks` from now
-    on. The compile happens at its first call: the job makes it on a thread of its own while the
-    denoiser runs (`pipeline.decode.DecoderWarmup`)."""
+    on; with `probe_size`, decode one chunk of zeros there so that the compile happens now, at
+    warm-up, not in the first batch -> seconds that took."""
     compile_vae_decoder(adapter.vae.decoder, mode)
     decode = adapter.decode
     adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
+    if probe_size is None:
+        return 0.0
+    start = time.perf_counter()
+    zeros = torch.zeros(1, *adapter.latent_shape(*probe_size), dtype=adapter.dtype, device=adapter.device)
+    with torch.no_grad():
+        adapter.decode(zeros)
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    return time.perf_counter() - start
 
 
 def compile_vae_decoder(decoder: torch.nn.Module, mode: str) -> None:
@@ -486,8 +450,6 @@ def output_kernels(kernels) -> dict:
     for key in ("fuse_gelu", "trim_text_padding"):  # keys added later count only away from their default
         if getattr(kernels, key):
             out[key] = True
-    if kernels.batch_streams > 1:  # slices of the batch: their matmuls, their rounding
-        out["batch_streams"] = kernels.batch_streams
     if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
         out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, compile_mode=kernels.compile_mode)
     return out
@@ -521,10 +483,6 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
     if kernels.fuse_gelu:
         report["fused_gelu_layers"] = fuse_gelu(adapter.transformer)
         log.info("kernels: %d feed-forward GELUs in the up-projection's cuBLASLt epilogue", report["fused_gelu_layers"])
-    if kernels.batch_streams > 1:
-        split_batch_streams(adapter.transformer, kernels.batch_streams)
-        report["batch_streams"] = kernels.batch_streams
-        log.info("kernels: each transformer forward's batch in %d slices on as many CUDA streams", kernels.batch_streams)
     if probe_size is not None:
         inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
         try:
@@ -550,8 +508,8 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
         compile_transformer(adapter.transformer, kernels.compile_mode, shapes, kernels.compile_dynamic,
                             kernels.compile_scope)
     if kernels.compile_decoder:
-        compile_decoder(adapter, kernels.compile_mode, kernels.decode_chunk)
-        report.update(compile_decoder=True, decode_chunk=kernels.decode_chunk)
-        log.info("kernels: VAE decoder compiled with inductor (mode=%s) at its first call, %d latents per call",
-                 kernels.compile_mode, kernels.decode_chunk)
+        seconds = compile_decoder(adapter, kernels.compile_mode, kernels.decode_chunk, probe_size)
+        report.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, decoder_first_pass_s=round(seconds, 2))
+        log.info("kernels: VAE decoder compiled with inductor (mode=%s), %d latents per call; first pass %.1f s",
+                 kernels.compile_mode, kernels.decode_chunk, seconds)
     return report

@@ -14,7 +14,6 @@ import torch
 from conftest import cpu_job, model_config, png, rows, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
-from pipeline.decode import DecoderWarmup
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import (CACHE_ENV, FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_cache,
@@ -277,45 +276,6 @@ def test_compiled_decoder_serves_every_resolution_with_one_graph_and_is_a_settin
         assert int(np.abs(ours - theirs).max()) <= 1
     with pytest.raises(ResumeConflict, match="kernels other than the default"):
         run(cpu_job(manifest, tmp_path / "compiled"))
-
-
-@pytest.mark.slow
-def test_batches_that_wait_for_the_compiling_decoder_get_the_images_of_batches_that_do_not(tmp_path, monkeypatch):
-    """kernels.compile_decoder compiles on a thread while the denoiser runs: batches denoised
-    meanwhile wait with their latents (more of them than the writer's queue holds) and are decoded,
-    each into its own rows, by the same decoder as batches that come after the compile."""
-    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2), ("c", 64, 64, 3),
-                                                          ("d", 128, 64, 4), ("e", 96, 64, 5)))
-    compiled = ("kernels.compile_decoder=true", "kernels.decode_chunk=2", "bcg.ladder=[1,2]", "output.queue_size=1")
-    monkeypatch.setattr(DecoderWarmup, "ready", lambda self: False)  # every batch waits, until the end
-    waited = run(cpu_job(manifest, tmp_path / "waited", *compiled))
-    torch._dynamo.reset()
-    monkeypatch.setattr(DecoderWarmup, "ready", lambda self: self._done.wait() or True)  # no batch waits
-    at_once = run(cpu_job(manifest, tmp_path / "at_once", *compiled))
-    assert waited["kernels"]["decoder_waited_batches"] == waited["batches"] >= 4
-    assert at_once["kernels"]["decoder_waited_batches"] == 0
-    assert waited["images"]["ok"] == at_once["images"]["ok"] == 5
-    for row in "abcde":
-        assert np.array_equal(png(tmp_path / "waited" / "images" / f"{row}.png"),
-                              png(tmp_path / "at_once" / "images" / f"{row}.png")), row
-
-
-def test_a_failed_decoder_compile_stops_the_job_and_writes_no_batch_that_waited(tmp_path, monkeypatch):
-    """The compile's error reaches the user, named; the batches that waited for it are not
-    committed (a resumed job generates them), and the job does not hang on them."""
-    def broken(decoder, mode):
-        def forward(*args, **kwargs):
-            raise RuntimeError("inductor is not available")
-        decoder.forward = forward
-
-    monkeypatch.setattr("pipeline.kernels.compile_vae_decoder", broken)
-    monkeypatch.setattr(DecoderWarmup, "ready", lambda self: False)
-    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 96, 64, 2)))
-    with pytest.raises(RuntimeError, match=r"kernels.compile_decoder: compiling the VAE decoder failed "
-                                           r"\(RuntimeError: inductor is not available\)"):
-        run(cpu_job(manifest, tmp_path / "out", "kernels.compile_decoder=true"))
-    assert not list((tmp_path / "out" / "shards").glob("*.parquet"))
-    assert not list((tmp_path / "out" / "images").glob("*.png"))
 
 
 def test_trimmed_text_padding_computes_the_same_step(tiny):
