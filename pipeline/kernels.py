@@ -439,17 +439,13 @@ def output_kernels(kernels) -> dict:
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
-    if kernels.fuse_qkv:
-        out["fuse_qkv"] = True
+    for key in ("fuse_qkv", "fp8", "fuse_gelu", "trim_text_padding"):  # switches count only when on
+        if getattr(kernels, key):
+            out[key] = True
     if kernels.compile:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default
             out["compile_scope"] = kernels.compile_scope
-    if kernels.fp8:
-        out["fp8"] = True
-    for key in ("fuse_gelu", "trim_text_padding"):  # keys added later count only away from their default
-        if getattr(kernels, key):
-            out[key] = True
     if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
         out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, compile_mode=kernels.compile_mode)
     return out
