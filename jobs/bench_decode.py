@@ -33,7 +33,7 @@ from diffusers import AutoencoderKL
 
 from jobs.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
 from pipeline.generate import to_uint8
-from pipeline.kernels import compile_vae_decoder, decode_in_chunks
+from pipeline.kernels import compile_stats, compile_vae_decoder, decode_in_chunks
 
 VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked")
 
@@ -73,31 +73,31 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     device = bench_device()
     smoke = args.smoke or device.type != "cuda"
-    sides, batch, iters = ([64], 2, 2) if smoke else (args.sides, args.batch, args.iters)
+    sides, batch, iters = ([64, 96], 2, 2) if smoke else (args.sides, args.batch, args.iters)
     vae = build_vae("tiny" if smoke else "pixart_sigma", device)
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    results = {"environment": environment(device, args), "batch": batch, "sides": {}}
-    for side in sides:
-        gen = torch.Generator(device).manual_seed(SEED)
-        latents = torch.randn(batch, vae.config.latent_channels, side // factor, side // factor,
-                              generator=gen, device=device, dtype=DTYPE)
-        row: dict = {}
-        reference = None
-        for name in args.variants:
-            set_variant(vae, name)
-            call = (lambda: decode_in_chunks(lambda x: decode(vae, x), latents, args.chunk)) if name == "chunked" \
-                else (lambda: decode(vae, latents))
+    results = {"environment": environment(device, args), "batch": batch, "sides": {side: {} for side in sides},
+               "compiles": {}}
+    gen = torch.Generator(device).manual_seed(SEED)
+    latents = {side: torch.randn(batch, vae.config.latent_channels, side // factor, side // factor,
+                                 generator=gen, device=device, dtype=DTYPE) for side in sides}
+    reference: dict[int, torch.Tensor] = {}
+    for name in args.variants:
+        set_variant(vae, name)  # once per variant: a compiled one compiles at its first side only if it must
+        before = compile_stats()
+        for side in sides:
+            x = latents[side]
+            call = (lambda: decode_in_chunks(lambda part: decode(vae, part), x, args.chunk)) if name == "chunked" \
+                else (lambda: decode(vae, x))
             start = time.perf_counter()
             images = to_uint8(call()).cpu()
             first_s = time.perf_counter() - start
             ms = time_calls(call, device, 1, iters)
-            reference = images if reference is None else reference
-            diff = (images.int() - reference.int()).abs()
-            row[name] = {"ms_per_image": round(ms / batch, 3), "first_call_s": round(first_s, 2),
-                         "max_levels": int(diff.max()), "mean_levels": round(float(diff.float().mean()), 4)}
-            print(side, name, row[name], flush=True)
-        results["sides"][side] = row
-    set_variant(vae, "nchw")
+            diff = (images.int() - reference.setdefault(side, images).int()).abs()
+            results["sides"][side][name] = {"ms_per_image": round(ms / batch, 3), "first_call_s": round(first_s, 2),
+                                            "max_levels": int(diff.max()), "mean_levels": round(float(diff.float().mean()), 4)}
+            print(side, name, results["sides"][side][name], flush=True)
+        results["compiles"][name] = compile_stats(since=before)
     return save_and_report(results, format_report(results), args.out)
 
 

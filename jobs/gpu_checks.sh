@@ -105,7 +105,7 @@ for what in "${@:-tests}"; do
     echo "== pytest not-cuda"; rc $cpu_rc; tail -2 "$OUT/pytest_cpu.log"
     echo "== scopes"; rc $scopes_rc; tail -12 "$OUT/bench_scopes.log"
     echo "== demo"; rc $demo_rc; grep -E "BCG|summary" "$OUT/demo.log" | cut -c1-300
-  else
+  elif [ "$what" = bench ]; then
     python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$OUT/pytest_cuda.log" 2>&1; cuda_rc=$?
     rm -rf /tmp/gpu-demo
     python3 -m pipeline.run +job=demo runtime.device=cuda precision=bf16 output.dir=/tmp/gpu-demo > "$OUT/demo.log" 2>&1; demo_rc=$?
@@ -116,6 +116,8 @@ for what in "${@:-tests}"; do
     echo "== diffusers speed"; rc $diff_rc; tail -14 "$OUT/bench_diffusers.log"
     python3 jobs/bench_diffusers.py --parity --out "$OUT/parity_diffusers.json" > "$OUT/parity_diffusers.log" 2>&1; parity_rc=$?
     echo "== diffusers parity"; rc $parity_rc; tail -16 "$OUT/parity_diffusers.log"
+  else
+    echo "== unknown stage $what: choose one named at the top of $0"; fail=1
   fi
 done
 exit $fail

@@ -27,9 +27,12 @@ def test_unknown_variant_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_chunked_variant_decodes_what_the_job_decodes(tmp_path):
-    """The variant of kernels.compile_decoder: compiled, one latent per call here, the same images up
-    to bf16 rounding."""
+    """The variant of kernels.compile_decoder: compiled once for every side, one latent per call
+    here, the same images up to bf16 rounding."""
     out = tmp_path / "d.json"
     main(["--smoke", "--variants", "nchw", "chunked", "--chunk", "1", "--out", str(out)])
-    row = json.loads(out.read_text())["sides"]["64"]
-    assert row["chunked"]["ms_per_image"] > 0 and row["chunked"]["max_levels"] <= 8
+    result = json.loads(out.read_text())
+    for side in ("64", "96"):
+        row = result["sides"][side]
+        assert row["chunked"]["ms_per_image"] > 0 and row["chunked"]["max_levels"] <= 8, side
+    assert result["compiles"]["chunked"]["compiled_graphs"] == 1

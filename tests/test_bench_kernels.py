@@ -51,6 +51,17 @@ def test_variant_names_map_to_kernel_settings():
         variant_kernels("flash_attn")
 
 
+def test_a_mistyped_variant_stops_the_run_before_any_benchmark(tmp_path, monkeypatch):
+    import jobs.bench_kernels as bench
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a benchmark ran before the variant names were checked")
+
+    monkeypatch.setattr(bench, "matmul_rate", measured)
+    with pytest.raises(SystemExit, match=r"options \['turbo'\] are not known"):
+        bench.main(["--smoke", "--variants", "cudnn", "cudnn+turbo", "--out", str(tmp_path / "k.json")])
+
+
 def test_model_changes_of_earlier_variants_are_kept_or_refused_never_undone():
     state = ModelState()
     first = state.changes_for("cudnn+fuse", variant_kernels("cudnn+fuse"))
