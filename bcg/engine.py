@@ -15,7 +15,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -104,17 +104,24 @@ class BCGEngine:
 
     # ---- warm-up and capture -------------------------------------------------------------------
 
-    def capture_all(self, keys: Iterable[ShapeKey]) -> None:
+    def capture_all(self, keys: Iterable[ShapeKey], buckets: Mapping[ShapeKey, Iterable[int]] | None = None) -> None:
         """With graphs on: warm up, predict the shared pool (refusing to start above
-        `pool_limit_gib`), then capture every (key, bucket), largest bucket first, into one pool."""
+        `pool_limit_gib`), then capture every (key, bucket), largest bucket first, into one pool.
+        `buckets`: per key, the ladder buckets to capture (those a plan uses; a key it leaves out
+        gets none); None: every bucket of the ladder."""
         keys = list(dict.fromkeys(keys))
+        wanted = {key: set(self.ladder if buckets is None else buckets.get(key, ())) for key in keys}
+        odd = sorted({b for chosen in wanted.values() for b in chosen} - set(self.ladder))
+        if odd:
+            raise ValueError(f"buckets {odd} are not in the ladder {list(self.ladder)}")
+        shapes = [(key, b) for b in reversed(self.ladder) for key in keys if b in wanted[key]]
         if not self.metrics.active:
             return
         self._flags = precision_flags()
         for key in keys:
             self._allocate(key)
         start = time.perf_counter()
-        needs = [self._measure(key, b) for b in reversed(self.ladder) for key in keys]
+        needs = [self._measure(key, b) for key, b in shapes]
         self.metrics.warmup_s += time.perf_counter() - start
         predicted = predict_pool_bytes(needs, self.pool_margin)
         check_pool_limit(needs, predicted, self.pool_limit_gib, self.pool_margin)
@@ -124,9 +131,8 @@ class BCGEngine:
         self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved(self.device)
-        for b in reversed(self.ladder):
-            for key in keys:
-                self._capture(key, b)
+        for key, b in shapes:
+            self._capture(key, b)
         self.metrics.pool_bytes = torch.cuda.memory_reserved(self.device) - base
         log.info(
             "BCG: %d graphs captured in %.2f s; pool %.1f MiB (predicted %.1f MiB)",

@@ -53,7 +53,7 @@ from pipeline.kernels import CONTIGUOUS_HOOK, SDPA, apply_kernels, check_kernels
 # gelu (the feed-forward's GELU in the matmul's epilogue).
 # fuse and fp8 change the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
-OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu")
+OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu", "residual")
 COMPILE_OPTIONS = ("static", "blocks", "autotune", "tune")
 MODES = {"autotune": "max-autotune-no-cudagraphs", "tune": "coordinate-descent"}
 
@@ -73,8 +73,11 @@ def variant_kernels(name: str) -> KernelsConfig:
     modes = [MODES[o] for o in options if o in MODES]
     if len(modes) > 1:
         raise SystemExit(f"variant {name!r}: choose one of {list(MODES)}")
+    if "residual" in options and "blocks" in options:
+        raise SystemExit(f"variant {name!r}: residual compiles its layer norms only (compile_scope=norms); drop +blocks")
+    scope = "norms" if "residual" in options else "blocks" if "blocks" in options else "model"
     return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
-                         compile_scope="blocks" if "blocks" in options else "model",
+                         compile_scope=scope, fuse_residual="residual" in options,
                          compile_mode=modes[0] if modes else "default",
                          fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options)
 
@@ -187,6 +190,52 @@ def gelu_epilogue(device: torch.device, iters: int, tokens: int = 65536, dim: in
             "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
 
 
+def attention_head_dims(device: torch.device, iters: int, rows: int = 16, heads: int = 16, tokens: int = 4096,
+                        dims: tuple[int, ...] = (64, 72, 80, 96, 128)) -> dict:
+    """cuDNN self-attention at PixArt's 1024 px shape for several head dims, all with the softmax
+    scale of dim 72: whether zero-padding the heads to another size would run faster than 72."""
+    out = {}
+    for dim in dims:
+        q, k, v = (torch.randn(rows, heads, tokens, dim, device=device, dtype=torch.bfloat16) for _ in range(3))
+        with sdpa_kernel([SDPA["cudnn"]]):
+            try:
+                ms = time_calls(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=72**-0.5),
+                                device, 3, iters)
+            except RuntimeError as err:
+                out[str(dim)] = {"error": str(err).splitlines()[0][:120]}
+                continue
+        out[str(dim)] = {"ms": round(ms, 3), "tflops_at_72": round(4 * rows * heads * tokens**2 * 72 / (ms / 1e3) / 1e12, 1)}
+    return out
+
+
+def residual_epilogue(device: torch.device, iters: int, tokens: int = 65536, dim: int = 1152) -> dict:
+    """PixArt's gated residual adds after the attention out-projection and the feed-forward
+    down-projection: a matmul with the bias in its epilogue, then one pointwise kernel h + g * y
+    (what eager addcmul and inductor both make), against the gate folded into the weight (one
+    timestep per batch, so one gate for every row) and the matmul adding into h itself (cuBLAS beta=1,
+    addmm_ in place), with and without a separate bias add. ms per call, and the largest difference."""
+    out = {}
+    for name, width in (("attention out-projection", dim), ("feed-forward down-projection", 4 * dim)):
+        x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
+        w = torch.randn(dim, width, device=device, dtype=torch.bfloat16) / width**0.5
+        b, g = (torch.randn(dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+        h = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+        acc = h.clone()
+        calls = {
+            "matmul + bias only": lambda: torch.nn.functional.linear(x, w, b),
+            "matmul + bias, then addcmul": lambda: torch.addcmul(h, g, torch.nn.functional.linear(x, w, b)),
+            "gate in weight, addmm_ into h": lambda: acc.addmm_(x, (w * g[:, None]).t()),
+            "gate in weight, addmm_ into h, bias add": lambda: acc.addmm_(x, (w * g[:, None]).t()).add_(b * g),
+        }
+        with torch.no_grad():
+            want = torch.addcmul(h, g, torch.nn.functional.linear(x, w, b)).float()
+            got = h.clone().addmm_(x, (w * g[:, None]).t()).add_(b * g).float()
+            out[name] = {case: round(time_calls(call, device, 3, iters), 3) for case, call in calls.items()}
+        out[name]["max_abs_diff"] = float((want - got).abs().max())
+        out[name]["max_abs"] = float(want.abs().max())
+    return out
+
+
 # Kernel (CUDA) or op (CPU) name -> category; the first pattern that matches wins.
 CATEGORIES = (
     ("matmul", re.compile(r"^triton_(tem|mm)", re.I)),  # inductor's matmul templates (autotune)
@@ -252,11 +301,14 @@ def profile_categories(call, device: torch.device, calls: int = 2, top: int = 15
 
 
 def reset_compile(adapter) -> None:
-    """Undo what a variant sets per module and can be undone: compilation, the fused GELU's forward,
-    the dynamic compile's mask preparation and contiguous patch embedding (diffusers' stock path)."""
+    """Undo what a variant sets per module and can be undone: compilation, the fused GELU's and the
+    fused residual block's forwards, the channels-last patch embedding, the dynamic compile's mask
+    preparation and contiguous patch embedding (diffusers' stock path)."""
     for module in adapter.transformer.modules():
         module._compiled_call_impl = None
         module.__dict__.pop("forward", None)
+        if isinstance(module, torch.nn.Conv2d):
+            module.to(memory_format=torch.contiguous_format)
         module.__dict__.pop("prepare_attention_mask", None)
         hook = module.__dict__.pop(CONTIGUOUS_HOOK, None)
         if hook is not None:
@@ -319,6 +371,8 @@ def format_micro(r: dict) -> str:
     lines += [f"{case}: {v.get('ms', '-')} ms, {v.get('tflops', v.get('error'))} TFLOP/s" for case, v in r.get("attention_in_step", {}).items()]
     if "gelu_epilogue" in r:
         lines.append(f"feed-forward up-projection + tanh GELU: {r['gelu_epilogue']}")
+    lines += [f"cuDNN self-attention, head dim {d}: {v}" for d, v in r.get("attention_head_dims", {}).items()]
+    lines += [f"{site}: {v}" for site, v in r.get("residual_epilogue", {}).items()]
     return "\n".join(lines)
 
 
@@ -386,6 +440,8 @@ def main(argv: list[str] | None = None) -> dict:
         results["matmul_sustained_tflops"] = sustained_matmul_rate(device, n)
         results["attention_in_step"] = attention_in_step(device, args.iters)
         results["gelu_epilogue"] = gelu_epilogue(device, args.iters)
+        results["attention_head_dims"] = attention_head_dims(device, args.iters)
+        results["residual_epilogue"] = residual_epilogue(device, args.iters)
     if args.micro_only:
         return save_and_report(results, format_micro(results), args.out)
     adapter = pixart_adapter("tiny" if smoke else "pixart_sigma", device)

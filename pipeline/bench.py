@@ -34,7 +34,7 @@ from pipeline.config import JobConfig, check_choices
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
 from pipeline.calibrate import SAVED
-from pipeline.kernels import check_kernels
+from pipeline.kernels import check_kernels, start_compile_workers
 from pipeline.models import build_model, to_diffusers
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
@@ -69,6 +69,8 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
                         "ladder choice, which our job would reuse and the comparison would not count")
     device = resolve_device(cfg.runtime.device, 0)
     check_job_kernels(cfg, device)
+    if not cfg.bench.baseline_only:
+        start_compile_workers(cfg.kernels, device)  # they come up while the model is built
     if device.type == "cuda":
         torch.cuda.set_device(device)
     apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)

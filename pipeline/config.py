@@ -63,6 +63,10 @@ class BCGConfig:
     auto_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     scope: str = "forward"
     warmup: int = 3
+    # plan: graphs for the (resolution, bucket) pairs this run's batches use; ladder: for every
+    # bucket of the ladder at each of its resolutions (what a batch split after an out-of-memory
+    # error may also need; without it those run eagerly, counted as misses).
+    capture: str = "plan"
     lazy: bool = False
     pool_limit_gib: Optional[float] = None
     pool_margin: float = 1.3
@@ -86,7 +90,8 @@ class KernelsConfig:
     # (resolution, bucket) (false: specialised kernels, a compile each).
     compile_dynamic: bool = True
     # model: compile the whole transformer; blocks: its repeated block once, reused by every block
-    # (regional compilation: far shorter compiles, no fusion across blocks).
+    # (regional compilation: far shorter compiles, no fusion across blocks); norms (with
+    # fuse_residual): only the layer norms and their modulation, what that block leaves to fuse.
     compile_scope: str = "model"
     # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
     # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ (equal on the H200 at 1024 px).
@@ -96,6 +101,10 @@ class KernelsConfig:
     # The feed-forward's up-projection, bias and tanh GELU as one cuBLASLt matmul with a GELU epilogue
     # (CUDA): one pass less over the widest activation; GELU rounds once, from the fp32 accumulator.
     fuse_gelu: bool = False
+    # PixArt: each block's residual adds done by the matmuls (cuBLAS adds into the residual stream;
+    # the gates folded into the weights once per step, the biases carried to the next layer norm):
+    # three elementwise passes less per block. Needs compile_scope=norms with kernels.compile.
+    fuse_residual: bool = False
     # PixArt: pad prompts to the manifest's longest prompt (rounded up to 64 tokens) instead of
     # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
     # same up to rounding; cross-attention and text encoding do less work.
@@ -202,7 +211,8 @@ SCOPES = ("forward", "step", "loop")
 SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "flash_attn")
 COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
-COMPILE_SCOPES = ("model", "blocks")
+COMPILE_SCOPES = ("model", "blocks", "norms")
+CAPTURE = ("plan", "ladder")
 
 
 def check_auto_sizes(sizes) -> None:
@@ -226,6 +236,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("precision.dtype", cfg.precision.dtype, DTYPES),
         ("model.weights", cfg.model.weights, WEIGHTS),
         ("bcg.scope", cfg.bcg.scope, SCOPES),
+        ("bcg.capture", cfg.bcg.capture, CAPTURE),
         ("sampler.name", cfg.sampler.name, SAMPLER_NAMES),
         ("kernels.attention", cfg.kernels.attention, ATTENTION),
         ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),

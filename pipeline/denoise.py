@@ -64,8 +64,11 @@ class Denoiser:
     def key(self, height: int, width: int) -> ShapeKey:
         return (height, width, self.steps) if self.scope == "loop" else (height, width)
 
-    def capture_all(self, resolutions: list[tuple[int, int]]) -> None:
-        self.engine.capture_all([self.key(h, w) for h, w in resolutions])
+    def capture_all(self, resolutions: list[tuple[int, int]],
+                    buckets: dict[tuple[int, int], set[int]] | None = None) -> None:
+        """Graphs for `resolutions`: at the ladder buckets `buckets` names per resolution (None: all)."""
+        keys = {(h, w): self.key(h, w) for h, w in resolutions}
+        self.engine.capture_all(keys.values(), None if buckets is None else {keys[r]: b for r, b in buckets.items()})
 
     @torch.no_grad()
     def denoise(self, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor, height: int, width: int) -> torch.Tensor:

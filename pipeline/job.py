@@ -26,13 +26,14 @@ from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
-from pipeline.kernels import apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels, with_attention
+from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
+                              start_compile_workers, with_attention)
 from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import build_model, check_items, model_limits
-from pipeline.planner import Batch, Plan, make_plan
+from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.prompts import manifest_texts, prompt_cache
 from pipeline.stats import RunStats, library_versions
@@ -65,6 +66,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     if device.type == "cuda":
         torch.cuda.set_device(device)
     check_job_kernels(cfg, device)
+    start_compile_workers(cfg.kernels, device)  # they come up while the model is built
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
     out_dir = Path(cfg.output.dir)
 
@@ -145,7 +147,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES, cfg.model.offload_text_encoder
         )
         stop.check()
-        denoiser.capture_all(sorted({(b.height, b.width) for b in todo}))
+        denoiser.capture_all(sorted({(b.height, b.width) for b in todo}),
+                             buckets_by_resolution(todo) if cfg.bcg.capture == "plan" else None)
         stop.check()
         writer = Writer(
             out_dir,

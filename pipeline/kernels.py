@@ -45,6 +45,7 @@ SDPA_OPS = {
 FLASH_ATTN_OP = "flash_attn"
 CONTIGUOUS_HOOK = "_contiguous_output_hook"  # the patch embedding's hook handle (contiguous_block_input)
 TRIM_TEXT_FAMILIES = ("pixart",)
+FUSE_RESIDUAL_FAMILIES = ("pixart",)
 
 
 def check_kernels(kernels, family: str | None = None, device: torch.device | None = None) -> None:
@@ -54,6 +55,7 @@ def check_kernels(kernels, family: str | None = None, device: torch.device | Non
     if kernels.fuse_qkv and kernels.attention == "flash_attn":
         raise UserError("kernels.fuse_qkv=true replaces the attention processor and cannot be combined with "
                         f"kernels.attention=flash_attn; choose one of {list(SDPA)} with it, or fuse_qkv=false")
+    check_fuse_residual(kernels, family)
     check_attention(kernels.attention, family)
     if kernels.fuse_qkv and family is not None and family not in FUSE_QKV_FAMILIES:
         raise UserError(f"kernels.fuse_qkv=true: diffusers fuses the projections of model families "
@@ -71,6 +73,28 @@ def check_kernels(kernels, family: str | None = None, device: torch.device | Non
     if kernels.trim_text_padding and family is not None and family not in TRIM_TEXT_FAMILIES:
         raise UserError(f"kernels.trim_text_padding=true: model families {list(TRIM_TEXT_FAMILIES)} mask the text padding "
                         f"out of attention, {family!r} does not (its images would change); set kernels.trim_text_padding=false")
+
+
+def check_fuse_residual(kernels, family: str | None) -> None:
+    """kernels.fuse_residual runs its own block forward: the settings that would change or compile
+    that forward are refused, and compile_scope=norms means nothing without it."""
+    if not kernels.fuse_residual:
+        if kernels.compile and kernels.compile_scope == "norms":
+            raise UserError("kernels.compile_scope=norms compiles the layer norms of kernels.fuse_residual's block: set "
+                            "kernels.fuse_residual=true, or choose compile_scope model or blocks")
+        return
+    if family is not None and family not in FUSE_RESIDUAL_FAMILIES:
+        raise UserError(f"kernels.fuse_residual=true: the block it rewrites is PixArt's (model families "
+                        f"{list(FUSE_RESIDUAL_FAMILIES)}), not {family!r}'s; set kernels.fuse_residual=false")
+    clashing = [key for key, on in (("fuse_qkv", kernels.fuse_qkv), ("fp8", kernels.fp8),
+                                    ("attention=flash_attn", kernels.attention == "flash_attn")) if on]
+    if clashing:
+        raise UserError(f"kernels.fuse_residual=true computes the attention and folds the gates into bf16/fp16 weights "
+                        f"itself; it cannot be combined with kernels.{clashing[0]}: set one of them off")
+    if kernels.compile and kernels.compile_scope != "norms":
+        raise UserError(f"kernels.fuse_residual=true with kernels.compile: the block adds into its input in place, which "
+                        f"compile_scope={kernels.compile_scope} would trace; set kernels.compile_scope=norms (the layer "
+                        "norms, all that is left to fuse, compiled once)")
 
 
 def check_attention(name: str, family: str | None) -> None:
@@ -254,7 +278,8 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager.
     `scope`: `model` compiles the whole transformer; `blocks` compiles its repeated transformer block
     once and reuses the code for every block (diffusers' regional compilation: a fraction of the
-    compile time, no fusion across block boundaries)."""
+    compile time, no fusion across block boundaries); `norms` compiles what kernels.fuse_residual's
+    block leaves to fuse: its layer norm and its per-step constants (pipeline/residual.py)."""
     how = compile_options(mode)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
@@ -263,7 +288,11 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     limit = max(dynamo_config.recompile_limit, shapes + 2)
     dynamo_config.recompile_limit = limit
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
-    if dynamic:
+    if scope == "norms":  # kernels.fuse_residual's block, with its one fusable kernel compiled
+        from pipeline.residual import compiled_functions, fuse_residual
+
+        fuse_residual(transformer, *compiled_functions(dynamic, how))
+    elif dynamic:
         broadcast_attention_masks(transformer)
     if scope == "blocks":
         # diffusers compiles every submodule whose class is listed in `_repeated_blocks`; these
@@ -271,10 +300,24 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
         transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
         contiguous_block_input(transformer)
         transformer.compile_repeated_blocks(dynamic=dynamic, fullgraph=True, **how)
-    else:
+    elif scope == "model":
         transformer.compile(dynamic=dynamic, fullgraph=True, **how)
     log.info("kernels: transformer %s compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
-             "blocks" if scope == "blocks" else "model", mode, "dynamic" if dynamic else "static")
+             scope, mode, "dynamic" if dynamic else "static")
+
+
+def start_compile_workers(kernels, device: torch.device) -> bool:
+    """Start inductor's compile worker processes now, when this job will compile for CUDA -> whether
+    they were started. torch starts them only once dynamo hands it the first graph, and until they
+    are up inductor compiles each Triton kernel in this process, one after another (on the H200 the
+    60-row job's first compiled pass took 16.8 to 20.1 s from a cold start, 14.1 s with the workers
+    started 10 s ahead). Started before the model is built, they come up while it loads."""
+    if torch.device(device).type != "cuda" or not (kernels.compile or kernels.compile_decoder):
+        return False
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()  # does nothing where torch would not use workers (TORCH_WARM_POOL=0, one compile thread)
+    return True
 
 
 def compile_options(mode: str) -> dict:
@@ -439,7 +482,7 @@ def output_kernels(kernels) -> dict:
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
-    for key in ("fuse_qkv", "fp8", "fuse_gelu", "trim_text_padding"):  # switches count only when on
+    for key in ("fuse_qkv", "fp8", "fuse_gelu", "fuse_residual", "trim_text_padding"):  # switches count only when on
         if getattr(kernels, key):
             out[key] = True
     if kernels.compile:
@@ -479,6 +522,11 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
     if kernels.fuse_gelu:
         report["fused_gelu_layers"] = fuse_gelu(adapter.transformer)
         log.info("kernels: %d feed-forward GELUs in the up-projection's cuBLASLt epilogue", report["fused_gelu_layers"])
+    if kernels.fuse_residual:  # eager layer norms until compile_transformer (scope norms) compiles them
+        from pipeline.residual import fuse_residual
+
+        report["fused_residual_blocks"] = fuse_residual(adapter.transformer)
+        log.info("kernels: the residual adds of %d blocks inside their matmuls", report["fused_residual_blocks"])
     if probe_size is not None:
         inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
         try:

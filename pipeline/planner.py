@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from bcg.buckets import linear_costs, parse_ladder, split_sizes
 from pipeline.manifest import Item
@@ -67,6 +67,14 @@ class Plan:
     def resolutions(self) -> list[tuple[int, int]]:
         """Distinct (height, width), ascending."""
         return sorted({(b.height, b.width) for b in self.batches})
+
+
+def buckets_by_resolution(batches: Iterable[Batch]) -> dict[tuple[int, int], set[int]]:
+    """(height, width) -> the ladder buckets these batches run at: the graphs bcg.capture=plan captures."""
+    out: dict[tuple[int, int], set[int]] = {}
+    for b in batches:
+        out.setdefault((b.height, b.width), set()).add(b.bucket)
+    return out
 
 
 def make_plan(

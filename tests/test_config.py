@@ -58,6 +58,12 @@ def test_value_outside_the_accepted_set_is_named():
         check_choices(cfg)
 
 
+def test_capture_choice_is_checked():
+    cfg = job_config("bcg.capture=all", "manifest.path=m", "output.dir=o")
+    with pytest.raises(ValueError, match=r"bcg.capture='all'.*\['plan', 'ladder'\]"):
+        check_choices(cfg)
+
+
 def test_cli_misspelt_key_exits_nonzero_naming_it(tmp_path):
     proc = run_cli("+job=dataset", "manifest.path=m.parquet", f"output.dir={tmp_path}", "bcg.ladderz=[1]")
     assert proc.returncode != 0 and "ladderz" in proc.stderr

@@ -90,3 +90,12 @@ def test_pool_limit_names_the_largest_needs():
     check_pool_limit(needs, predict_pool_bytes(needs, 1.3), limit_gib=4.0, margin=1.3)
     with pytest.raises(ValueError, match=r"exceeds bcg.pool_limit_gib=2.0.*1024x1024 bucket 8 \(3.90 GiB\)"):
         check_pool_limit(needs, predict_pool_bytes(needs, 1.3), limit_gib=2.0, margin=1.3)
+
+
+def test_capture_takes_only_ladder_buckets():
+    """bcg.capture=plan hands the engine the buckets a plan uses; one outside the ladder is a bug named early."""
+    engine = BCGEngine(rowwise, lambda key: SPECS, [1, 2, 4], "cpu")
+    with pytest.raises(ValueError, match=r"buckets \[3\] are not in the ladder \[1, 2, 4\]"):
+        engine.capture_all([(64, 64)], {(64, 64): [2, 3]})
+    engine.capture_all([(64, 64), (32, 32)], {(64, 64): [4]})  # graphs off on the CPU: nothing captured, no error
+    assert engine.metrics.graphs == {}

@@ -215,10 +215,11 @@ def test_demo_job_on_gpu_gives_the_same_pngs_with_graphs_on_and_off(tmp_path):
     for image in (tmp_path / "True" / "images").iterdir():
         assert image.read_bytes() == (tmp_path / "False" / "images" / image.name).read_bytes(), image.name
     bcg = reports[True]["bcg"]
-    assert bcg["graphs_captured"] == 4 * 3 and bcg["misses"] == 0 and bcg["hits"] > 0
+    assert bcg["misses"] == 0 and bcg["hits"] > 0
     stats = json.loads((tmp_path / "True" / "stats.json").read_text())
-    assert stats["bcg"]["pool_bytes"] > 0 and len(stats["bcg"]["graphs"]) == 12
-    assert all(g["capture_s"] > 0 for g in stats["bcg"]["graphs"])
+    graphs = stats["bcg"]["graphs"]
+    assert stats["bcg"]["pool_bytes"] > 0 and len(graphs) == bcg["graphs_captured"] < 4 * 3  # the plan's, not the ladder's
+    assert all(g["capture_s"] > 0 and g["replays"] > 0 for g in graphs)  # bcg.capture=plan: none captured for nothing
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +228,9 @@ def scope_runs_gpu(tmp_path_factory):
     manifest = d / "demo.parquet"
     pq.write_table(demo_table(), manifest)
     reports = {}
-    for scope in ("forward", "step", "loop"):
-        cfg = cpu_job(manifest, d / scope, "runtime.device=cuda", "precision=bf16", f"bcg.scope={scope}", "sampler.steps=10")
+    for scope in ("forward", "step", "loop"):  # loop: graphs for every bucket of the ladder
+        cfg = cpu_job(manifest, d / scope, "runtime.device=cuda", "precision=bf16", f"bcg.scope={scope}", "sampler.steps=10",
+                      f"bcg.capture={'ladder' if scope == 'loop' else 'plan'}")
         reports[scope] = run(cfg)
     return d, reports
 
@@ -237,7 +239,8 @@ def test_demo_runs_in_every_scope_on_graphs(scope_runs_gpu):
     _, reports = scope_runs_gpu
     for scope, report in reports.items():
         bcg = report["bcg"]
-        assert report["images"]["ok"] == 12 and bcg["misses"] == 0 and bcg["graphs_captured"] == 12, scope
+        assert report["images"]["ok"] == 12 and bcg["misses"] == 0, scope
+        assert (bcg["graphs_captured"] == 12) == (scope == "loop"), scope  # 3 resolutions x 4 buckets with capture=ladder
     assert reports["loop"]["bcg"]["hits"] == reports["loop"]["batches"]  # one replay per batch
     assert all(g["key"][2] == 10 for g in reports["loop"]["bcg"]["graphs"])  # keyed by the step count
 

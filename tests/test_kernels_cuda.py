@@ -64,6 +64,36 @@ def test_compiled_transformer_replays_bit_identical_to_the_compiled_eager_path()
     engine.close()
 
 
+def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_diffusers():
+    """kernels.fuse_residual with its compiled norms and constants (kernels=fast's block): replay equals
+    the compiled eager call bit for bit at every bucket; in bf16 the step is no further from the fp32
+    step than diffusers' own bf16 block is."""
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    key, ladder = (64, 64), [1, 2, 4]
+    exact = build_model(model_config("tiny"), torch.device("cuda"), torch.float32)
+    plain, fused = (build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16) for _ in range(2))
+    for model in (plain, fused):
+        model.transformer.load_state_dict(exact.transformer.state_dict())
+    apply_kernels(KernelsConfig(attention="cudnn", fuse_residual=True, compile=True, compile_scope="norms",
+                                compile_mode="coordinate-descent"), fused, key, shapes=4)
+    x = random_inputs(fused, key, 3)
+    with torch.no_grad():
+        truth = exact.guided_eps({k: v.float() if v.is_floating_point() else v for k, v in x.items()})
+        error = {name: float((model.guided_eps(x).float() - truth).norm() / truth.norm())
+                 for name, model in (("diffusers", plain), ("fused", fused))}
+    print(f"bf16 step vs fp32 step, relative error: {error}")
+    assert error["fused"] <= 1.25 * error["diffusers"], error
+    specs = lambda k: fused.input_specs(*k)  # noqa: E731
+    engine = BCGEngine(fused.guided_eps, specs, ladder, "cuda")
+    engine.capture_all([key])
+    for n in (1, 2, 3, 4):
+        x = random_inputs(fused, key, n, seed=n)
+        with torch.no_grad():
+            eager = fused.guided_eps(pad_rows(specs(key), x, n, pick_bucket(ladder, n)))[:n]
+        assert torch.equal(engine.run(key, x, n), eager), n
+    engine.close()
+
+
 def test_attention_backend_is_applied_and_reported(tmp_path, demo):
     report = run(cpu_job(demo, tmp_path / "cudnn", *GPU, "kernels.attention=cudnn"))
     calls = report["kernels"]["attention_calls_per_forward"]
@@ -100,7 +130,7 @@ def test_auto_ladder_on_the_gpu_calibrates_graphs_and_predicts(tmp_path, demo):
     report = run(cpu_job(demo, tmp_path / "auto", *GPU, "bcg.ladder=auto", "bcg.auto_sizes=[1,2,4,8]"))
     auto = report["ladder_auto"]
     assert report["ladder"] == auto["chosen"] and report["bcg"]["misses"] == 0
-    assert report["bcg"]["graphs_captured"] == 3 * len(auto["chosen"])
+    assert 3 <= report["bcg"]["graphs_captured"] <= 3 * len(auto["chosen"])  # the plan's (resolution, bucket) pairs
     assert all(o["pool_mib"] > 0 for o in auto["options"])
     saved = json.loads((tmp_path / "auto" / "ladder.json").read_text())
     assert saved["ladder"] == auto["chosen"]

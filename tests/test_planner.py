@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from bcg.buckets import linear_costs, parse_ladder, split_sizes
 from pipeline.manifest import Item
-from pipeline.planner import Batch, Plan, make_plan
+from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 
 POW2_8 = (1, 2, 4, 8)
 
@@ -62,6 +62,8 @@ def test_mixed_resolutions_example():
     assert plan.by_resolution() == {(256, 256): 3, (512, 512): 10, (512, 768): 1}
     assert plan.by_bucket() == {2: 2, 1: 2, 8: 1}
     assert plan.resolutions() == [(256, 256), (512, 512), (512, 768)]
+    # bcg.capture=plan: graphs for these 5 (resolution, bucket) pairs, not the ladder's 12
+    assert buckets_by_resolution(plan.batches) == {(256, 256): {2, 1}, (512, 512): {8, 2}, (512, 768): {1}}
 
 
 def test_seven_items_pad_into_one_batch_of_eight():

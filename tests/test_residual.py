@@ -1,0 +1,121 @@
+"""kernels.fuse_residual: PixArt's block with its residual adds inside the matmuls (pipeline/residual.py),
+on the CPU: the same step as diffusers' block, the same images, one compiled layer norm for every shape,
+and the settings it is refused with."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cpu_job, model_config, png, rows, write_manifest
+from pipeline.config import KernelsConfig
+from pipeline.errors import UserError
+from pipeline.job import run
+from pipeline.kernels import apply_kernels, check_kernels, compile_stats, use_flash_attn
+from pipeline.models import build_model
+from pipeline.residual import fuse_residual
+from pipeline.resume import ResumeConflict
+from test_kernels import inputs
+
+
+def step(dtype: torch.dtype, kernels: KernelsConfig | None, side: int = 64, n: int = 3) -> torch.Tensor:
+    """One CFG step of a fresh tiny PixArt (the same weights every call) in `dtype`, with `kernels` applied."""
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), dtype)
+    if kernels is not None:
+        apply_kernels(kernels, adapter, None, shapes=4)
+    x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs(adapter, side, n).items()}
+    with torch.no_grad():
+        return adapter.guided_eps(x).float()
+
+
+def test_fused_block_computes_diffusers_block():
+    """fp32: the same step up to rounding. bf16: no further from the fp32 step than diffusers' own
+    bf16 block is (the gated weights round once, the sums round once instead of after each add)."""
+    fused = KernelsConfig(fuse_residual=True)
+    truth = step(torch.float32, None)
+    torch.testing.assert_close(step(torch.float32, fused), truth, rtol=1e-4, atol=1e-4)
+    error = {name: float((step(torch.bfloat16, k) - truth).norm() / truth.norm())
+             for name, k in (("diffusers", None), ("fused", fused))}
+    assert error["fused"] <= 1.25 * error["diffusers"], error
+
+
+def test_patch_embedding_hands_the_first_block_contiguous_tokens():
+    """Channels-last convolution output: no strided add of the position embedding, no copy at block 0."""
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    latents = torch.randn(2, adapter.transformer.config.in_channels, 8, 8)
+    before = adapter.transformer.pos_embed(latents)
+    assert not before.is_contiguous()
+    fuse_residual(adapter.transformer)
+    after = adapter.transformer.pos_embed(latents)
+    assert after.is_contiguous()
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_block_leaves_the_models_other_callers_alone():
+    """The final layer norm takes the bias the blocks carried: a second forward starts from zero, and
+    a final norm without the blocks before it is an error, not a silent wrong answer."""
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    assert fuse_residual(adapter.transformer) == len(adapter.transformer.transformer_blocks)
+    x = inputs(adapter)
+    with torch.no_grad():
+        first, second = adapter.guided_eps(x), adapter.guided_eps(x)
+        assert torch.equal(first, second)
+        with pytest.raises(RuntimeError, match="final layer norm ran without the blocks"):
+            adapter.transformer.norm_out(torch.randn(2, 4, adapter.transformer.config.num_attention_heads
+                                                     * adapter.transformer.config.attention_head_dim))
+
+
+def test_fused_residual_job_makes_the_same_images_and_is_a_setting(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 96, 64, 2), ("c", 64, 64, 3)))
+    fused = run(cpu_job(manifest, tmp_path / "fused", "kernels.fuse_residual=true"))
+    run(cpu_job(manifest, tmp_path / "plain"))
+    assert fused["images"]["ok"] == 3 and fused["kernels"]["fused_residual_blocks"] > 0
+    for image in (tmp_path / "plain" / "images").iterdir():
+        diff = png(image).astype(int) - png(tmp_path / "fused" / "images" / image.name).astype(int)
+        assert int(np.abs(diff).max()) <= 1, image.name
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):
+        run(cpu_job(manifest, tmp_path / "fused"))
+
+
+@pytest.mark.slow
+def test_compiled_norms_serve_every_shape_with_one_graph():
+    """compile_scope=norms: the layer norm compiled once (the channel count fixed, the row count
+    symbolic) for every resolution and batch, the per-step constants once for every block: two
+    compilations, computing what the eager functions do."""
+    torch._dynamo.reset()
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    eager = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    before = compile_stats()
+    report = apply_kernels(KernelsConfig(fuse_residual=True, compile=True, compile_scope="norms"), adapter, None, shapes=4)
+    apply_kernels(KernelsConfig(fuse_residual=True), eager, None, shapes=4)
+    assert report["compile_scope"] == "norms" and report["fused_residual_blocks"] > 0
+    for side, n in ((96, 2), (96, 3), (128, 2), (64, 3)):
+        x = inputs(adapter, side, n)
+        with torch.no_grad():
+            torch.testing.assert_close(adapter.guided_eps(x), eager.guided_eps(x), rtol=1e-4, atol=1e-4)
+    assert compile_stats(since=before)["compiled_graphs"] == 2
+
+
+@pytest.mark.parametrize("kernels, match", [
+    (KernelsConfig(fuse_residual=True, fuse_qkv=True), "cannot be combined with kernels.fuse_qkv"),
+    (KernelsConfig(fuse_residual=True, fp8=True), "cannot be combined with kernels.fp8"),
+    (KernelsConfig(fuse_residual=True, attention="flash_attn"), "cannot be combined with kernels.attention=flash_attn"),
+    (KernelsConfig(fuse_residual=True, compile=True, compile_scope="blocks"), "set kernels.compile_scope=norms"),
+    (KernelsConfig(compile=True, compile_scope="norms"), "set kernels.fuse_residual=true"),
+])
+def test_settings_that_would_change_the_fused_block_are_refused(kernels, match):
+    with pytest.raises(UserError, match=match):
+        check_kernels(kernels, "pixart")
+
+
+def test_other_models_and_changed_blocks_are_refused_by_name():
+    with pytest.raises(UserError, match=r"PixArt's \(model families \['pixart'\]\), not 'sd3'"):
+        check_kernels(KernelsConfig(fuse_residual=True), "sd3")
+    dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
+    with pytest.raises(UserError, match="transformer_blocks.0 has norm_type 'ada_norm_zero'"):
+        fuse_residual(dit.transformer)
+    pixart = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    use_flash_attn(pixart.transformer, lambda q, k, v, dropout_p=0.0, causal=False: q)
+    with pytest.raises(UserError, match="transformer_blocks.0 runs attn1 with FlashAttnProcessor"):
+        fuse_residual(pixart.transformer)
