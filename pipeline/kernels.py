@@ -527,6 +527,9 @@ def apply_kernels(kernels, adapter, probe_size: tuple[int, int] | None, shapes: 
 
         report["fused_residual_blocks"] = fuse_residual(adapter.transformer)
         log.info("kernels: the residual adds of %d blocks inside their matmuls", report["fused_residual_blocks"])
+        if not kernels.compile and adapter.device.type == "cuda":
+            log.warning("kernels: fuse_residual without kernels.compile runs its layer norms as separate fp32 ops "
+                        "(more passes, fp32 temporaries); kernels.compile=true kernels.compile_scope=norms fuses them")
     if probe_size is not None:
         inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
         try:

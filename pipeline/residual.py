@@ -20,7 +20,9 @@ biases), which depend on the timestep and the weights only: both compiled once f
 so the tokens reach the first block contiguous (no strided add of the position embedding, no copy).
 
 The block adds into its input tensor, which PixArt's forward never reads again; it runs inference
-only (dropout skipped). Images differ from diffusers' block by rounding: the gated weights round
+only (dropout skipped). Its caller must give every row the same timestep (our denoiser does: one
+step per batch, CFG's halves and padded rows included); rows at different steps would all get the
+first row's modulation. Images differ from diffusers' block by rounding: the gated weights round
 once to bf16, the sums round once instead of after each add.
 """
 
@@ -66,7 +68,8 @@ def block_constants(table: torch.Tensor, step: torch.Tensor, pending: torch.Tens
 def compiled_functions(dynamic: bool, options: dict) -> tuple[NormFn, ConstantsFn]:
     """modulated_norm and block_constants compiled with inductor (`options`: torch.compile's mode or
     options). `dynamic`: one compilation of the norm for every row count, the channel count fixed (a
-    symbolic one costs the kernel its one-pass reduction over the row: 3x slower on the H200); else
+    symbolic one costs the kernel its one-pass reduction over the row: 1.6x to 1.8x slower on the
+    H200); else
     one per row count. The constants have one shape per model: one compilation, with inductor's
     defaults (its kernels are tiny: tuning them would cost seconds of compile and save nothing)."""
     compiled = torch.compile(modulated_norm, dynamic=None if dynamic else False, fullgraph=True, **options)
@@ -125,8 +128,10 @@ def check_block(block: torch.nn.Module, name: str) -> None:
 
     if getattr(block, "norm_type", None) != "ada_norm_single":
         refuse(f"has norm_type {getattr(block, 'norm_type', None)!r}")
-    if block.attn2 is None or block.pos_embed is not None or block._chunk_size is not None:
-        refuse("has no cross-attention, or a positional embedding or chunked feed-forward inside")
+    if (block.attn2 is None or block.pos_embed is not None or block._chunk_size is not None
+            or block.only_cross_attention or block.attn1.norm_cross or block.attn2.norm_cross):
+        refuse("has no cross-attention, a positional embedding or chunked feed-forward inside, or cross-attention only "
+               "or normed")
     for attn_name in ("attn1", "attn2"):
         attn = getattr(block, attn_name)
         if not isinstance(attn.processor, AttnProcessor2_0):
@@ -169,6 +174,8 @@ def _block_forward(block, stream: ResidualStream, norm: NormFn, constants: Const
     def forward(hidden_states: torch.Tensor, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, timestep=None, cross_attention_kwargs=None, class_labels=None,
                 added_cond_kwargs=None) -> torch.Tensor:
+        if cross_attention_kwargs:
+            raise ValueError(f"kernels.fuse_residual's block takes no cross_attention_kwargs, got {sorted(cross_attention_kwargs)}")
         batch, tokens, channels = hidden_states.shape
         h = hidden_states.contiguous()
         rows = h.view(batch * tokens, channels)

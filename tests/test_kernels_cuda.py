@@ -51,16 +51,21 @@ def test_compiled_transformer_replays_bit_identical_to_the_compiled_eager_path()
     adapter = build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16)
     report = apply_kernels(KernelsConfig(attention="cudnn", compile=True), adapter, (64, 64), shapes=8)
     assert report["compile"] and sum(report["attention_calls_per_forward"].values()) == 4
-    ladder, key = [1, 2, 4], (64, 64)
+    assert_replay_equals_eager(adapter, (64, 64))
+
+
+def assert_replay_equals_eager(adapter, key, ladder=(1, 2, 4)):
+    """Graphs of adapter's CFG step at `key` for every bucket of `ladder`: each replay (1 to 4 real
+    rows) equals the eager call on the same padded rows, bit for bit."""
     specs = lambda k: adapter.input_specs(*k)  # noqa: E731
-    engine = BCGEngine(adapter.guided_eps, specs, ladder, "cuda")
+    engine = BCGEngine(adapter.guided_eps, specs, list(ladder), "cuda")
     engine.capture_all([key])
     assert engine.metrics.first_pass_s > 0
     for n in (1, 2, 3, 4):
         x = random_inputs(adapter, key, n, seed=n)
         with torch.no_grad():
-            compiled_eager = adapter.guided_eps(pad_rows(specs(key), x, n, pick_bucket(ladder, n)))[:n]
-        assert torch.equal(engine.run(key, x, n), compiled_eager), n
+            eager = adapter.guided_eps(pad_rows(specs(key), x, n, pick_bucket(list(ladder), n)))[:n]
+        assert torch.equal(engine.run(key, x, n), eager), n
     engine.close()
 
 
@@ -69,7 +74,7 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
     the compiled eager call bit for bit at every bucket; in bf16 the step is no further from the fp32
     step than diffusers' own bf16 block is."""
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
-    key, ladder = (64, 64), [1, 2, 4]
+    key = (64, 64)
     exact = build_model(model_config("tiny"), torch.device("cuda"), torch.float32)
     plain, fused = (build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16) for _ in range(2))
     for model in (plain, fused):
@@ -83,15 +88,7 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
                  for name, model in (("diffusers", plain), ("fused", fused))}
     print(f"bf16 step vs fp32 step, relative error: {error}")
     assert error["fused"] <= 1.25 * error["diffusers"], error
-    specs = lambda k: fused.input_specs(*k)  # noqa: E731
-    engine = BCGEngine(fused.guided_eps, specs, ladder, "cuda")
-    engine.capture_all([key])
-    for n in (1, 2, 3, 4):
-        x = random_inputs(fused, key, n, seed=n)
-        with torch.no_grad():
-            eager = fused.guided_eps(pad_rows(specs(key), x, n, pick_bucket(ladder, n)))[:n]
-        assert torch.equal(engine.run(key, x, n), eager), n
-    engine.close()
+    assert_replay_equals_eager(fused, key)
 
 
 def test_attention_backend_is_applied_and_reported(tmp_path, demo):
