@@ -148,7 +148,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
         )
         stop.check()
         denoiser.capture_all(sorted({(b.height, b.width) for b in todo}),
-                             buckets_by_resolution(todo) if cfg.bcg.capture == "plan" else None)
+                             buckets_by_resolution(todo, denoiser.engine.ladder) if cfg.bcg.capture == "plan" else None)
         stop.check()
         writer = Writer(
             out_dir,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Iterable, Mapping, Sequence
 
-from bcg.buckets import linear_costs, parse_ladder, split_sizes
+from bcg.buckets import linear_costs, parse_ladder, pick_bucket, split_sizes
 from pipeline.manifest import Item
 
 
@@ -69,11 +69,13 @@ class Plan:
         return sorted({(b.height, b.width) for b in self.batches})
 
 
-def buckets_by_resolution(batches: Iterable[Batch]) -> dict[tuple[int, int], set[int]]:
-    """(height, width) -> the ladder buckets these batches run at: the graphs bcg.capture=plan captures."""
+def buckets_by_resolution(batches: Iterable[Batch], ladder: Sequence[int]) -> dict[tuple[int, int], set[int]]:
+    """(height, width) -> the ladder buckets these batches run at, the graphs bcg.capture=plan
+    captures: the smallest bucket that holds each batch's rows, which is what the engine picks. (A
+    plan made with measured costs may record a larger bucket for a batch, where it measured cheaper.)"""
     out: dict[tuple[int, int], set[int]] = {}
     for b in batches:
-        out.setdefault((b.height, b.width), set()).add(b.bucket)
+        out.setdefault((b.height, b.width), set()).add(pick_bucket(ladder, len(b.items)))
     return out
 
 

@@ -63,7 +63,7 @@ def test_mixed_resolutions_example():
     assert plan.by_bucket() == {2: 2, 1: 2, 8: 1}
     assert plan.resolutions() == [(256, 256), (512, 512), (512, 768)]
     # bcg.capture=plan: graphs for these 5 (resolution, bucket) pairs, not the ladder's 12
-    assert buckets_by_resolution(plan.batches) == {(256, 256): {2, 1}, (512, 512): {8, 2}, (512, 768): {1}}
+    assert buckets_by_resolution(plan.batches, POW2_8) == {(256, 256): {2, 1}, (512, 512): {8, 2}, (512, 768): {1}}
 
 
 def test_seven_items_pad_into_one_batch_of_eight():
@@ -93,6 +93,15 @@ def test_measured_costs_apply_per_resolution():
         "512x512-000000-b2",  # linear model: 2+1 costs 5, ties 4 at 5, fewer padded rows wins
         "512x512-000001-b1",
     ]
+
+
+def test_graphs_follow_the_bucket_the_engine_runs_not_a_cheaper_looking_one():
+    """Measured costs (noise on a tiny model) can make a larger bucket look cheaper: the plan records
+    it, but the engine runs the smallest bucket that holds the rows, so that is the graph to capture."""
+    items = [item(r, 256, 256) for r in range(2)]
+    plan = make_plan(items, POW2_8, costs={(256, 256): {1: 10.0, 2: 10.0, 4: 9.0, 8: 11.0}})
+    assert [b.bucket for b in plan.batches] == [4]
+    assert buckets_by_resolution(plan.batches, POW2_8) == {(256, 256): {2}}
 
 
 def test_missing_cost_entry_names_resolution_and_bucket():
