@@ -50,7 +50,8 @@ from pipeline.kernels import CONTIGUOUS_HOOK, SDPA, apply_kernels, check_kernels
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
 # (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
 # kernels), fuse (fused q|k|v projections), fp8 (torchao float8),
-# gelu (the feed-forward's GELU in the matmul's epilogue).
+# gelu (the feed-forward's GELU in the matmul's epilogue), residual (kernels.fuse_residual; with
+# compile, its layer norms and constants only: compile_scope=norms).
 # fuse and fp8 change the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
 OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu", "residual")
