@@ -147,8 +147,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES, cfg.model.offload_text_encoder
         )
         stop.check()
-        denoiser.capture_all(sorted({(b.height, b.width) for b in todo}),
-                             buckets_by_resolution(todo, denoiser.engine.ladder) if cfg.bcg.capture == "plan" else None)
+        shapes = buckets_by_resolution(todo, denoiser.engine.ladder)
+        denoiser.capture_all(sorted(shapes), shapes if cfg.bcg.capture == "plan" else None)
         stop.check()
         writer = Writer(
             out_dir,
