@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
+from pipeline.stats import per_second
 from pipeline.writer import SHARDS_DIR
 
 PARTS_DIR = "parts"
@@ -67,7 +68,10 @@ def missing_shards(parts: list[dict]) -> list[int] | None:
 def merge_stats(parts: list[dict], status: Counter) -> dict:
     """Run-level stats. `images.ok` / `failed` count the committed rows on disk (the dataset, over
     every run that added to it); `generated` what the last run of each shard made. With several
-    shards, images/s is that over the span from the first shard's start to the last one's end."""
+    shards the times are spans over all of them: `wall_s` from the first shard's start to the last
+    one's end, `generate_s` from the first shard's first batch to the last one's end. As for one
+    process, `images_per_s` is over the generate phase (after warm-up) and `wall_images_per_s` over
+    the wall time, so one GPU's and several GPUs' stats compare directly."""
     first = parts[0]
     merged = {k: v for k, v in first.items() if k not in ("shard", "started_at", "ended_at")}
     merged["bcg"] = first["bcg"] if len(parts) == 1 else merge_engine_metrics([p["bcg"] for p in parts])
@@ -81,12 +85,15 @@ def merge_stats(parts: list[dict], status: Counter) -> dict:
         for p in parts:
             total.update(p[key])
         merged[key] = {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(total.items())}
-    if len(parts) > 1:  # one part keeps its own: images/s over its generation time, after warm-up
-        merged["wall_s"] = round(max(p["ended_at"] for p in parts) - min(p["started_at"] for p in parts), 4)
-        merged["generate_s"] = max(p["generate_s"] for p in parts)
-        merged["images_per_s"] = round(generated / merged["wall_s"], 4) if merged["wall_s"] > 0 else None
+    if len(parts) > 1:  # one part keeps its own figures
+        end = max(p["ended_at"] for p in parts)
+        merged["wall_s"] = round(end - min(p["started_at"] for p in parts), 4)
+        merged["generate_s"] = round(end - min(p["ended_at"] - p["generate_s"] for p in parts), 4)
+        merged["images_per_s"] = per_second(generated, merged["generate_s"])
+        merged["wall_images_per_s"] = per_second(generated, merged["wall_s"])
     merged["shards"] = [
-        {"shard": p["shard"], "images": p["images"], "wall_s": p["wall_s"], "images_per_s": p["images_per_s"], "bcg": p["bcg"]}
+        {"shard": p["shard"], "device": p.get("device"), "images": p["images"], "wall_s": p["wall_s"],
+         "generate_s": p["generate_s"], "images_per_s": p["images_per_s"], "bcg": p["bcg"]}
         for p in parts
     ]
     return merged

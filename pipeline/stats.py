@@ -81,11 +81,17 @@ class RunStats:
             "started_at": self.started_at,
             "ended_at": time.time(),
             "generate_s": round(generate_s, 4),
-            "images_per_s": round(self.ok / generate_s, 4) if generate_s > 0 else None,
+            "images_per_s": per_second(self.ok, generate_s),  # the generate phase, after warm-up
+            "wall_images_per_s": per_second(self.ok, now - self.started),
             "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
             "per_resolution": dict(sorted(self.per_resolution.items())),
             "batches_per_bucket": dict(sorted(self.per_bucket.items(), key=lambda kv: int(kv[0]))),
         }
+
+
+def per_second(count: int, seconds: float) -> float | None:
+    """A rate for stats.json: None when no time passed."""
+    return round(count / seconds, 4) if seconds > 0 else None
 
 
 def library_versions() -> dict[str, str]:

@@ -77,6 +77,13 @@ def test_two_shards_in_turn_equal_one_process_and_merge_once_both_are_in(tmp_pat
     stats = json.loads((sharded / "stats.json").read_text())
     assert stats["images"]["ok"] == 12 and len(stats["shards"]) == 2
     assert all(s["images"]["ok"] > 0 for s in stats["shards"])
+    # the shards ran one after the other, so the job's spans hold both, and its rates are over them
+    parts = stats["shards"]
+    assert stats["wall_s"] >= sum(s["wall_s"] for s in parts) - 1e-3
+    assert stats["generate_s"] >= sum(s["generate_s"] for s in parts) - 1e-3
+    assert stats["images_per_s"] == pytest.approx(12 / stats["generate_s"], rel=1e-3)
+    assert stats["wall_images_per_s"] == pytest.approx(12 / stats["wall_s"], rel=1e-3)
+    assert stats["wall_images_per_s"] < stats["images_per_s"] and [s["device"] for s in parts] == ["cpu", "cpu"]
     for image in (tmp_path / "single" / "images").iterdir():
         assert (sharded / "images" / image.name).read_bytes() == image.read_bytes(), image.name
     assert merge_main([f"output.dir={sharded}"]) == 0
@@ -99,3 +106,18 @@ def test_sharded_multirun_through_submitit_local_equals_one_process(tmp_path):
     assert stats["images"]["ok"] == 8 and sorted(s["shard"]["index"] for s in stats["shards"]) == [0, 1]
     for image in (tmp_path / "single" / "images").iterdir():
         assert (sharded / "images" / image.name).read_bytes() == image.read_bytes(), image.name
+
+
+@pytest.mark.slow
+def test_bench_shards_script_finds_every_image_of_one_process_in_the_shards(tmp_path):
+    """jobs/bench_shards.py, as on two GPUs but with two CPU processes: its checks and its figures."""
+    from jobs.bench_shards import main as bench_shards
+
+    out = tmp_path / "r.json"
+    bench_shards(["--rows", "6", "--devices", "cpu", "cpu", "--work", str(tmp_path / "w"), "--out", str(out),
+                  "--", "precision=fp32", "sampler.steps=2"])
+    r = json.loads(out.read_text())
+    assert r["ids_exactly_once"] and r["success_marker"]
+    assert r["images_vs_one_process"]["images"] == 6 and r["images_vs_one_process"]["identical"] == 6
+    assert [s["device"] for s in r["per_shard"]] == ["cpu", "cpu"] and sum(s["images"] for s in r["per_shard"]) == 6
+    assert r["single"]["images"] == r["sharded"]["images"] == 6 and r["speedup"]["images_per_s"] > 0
