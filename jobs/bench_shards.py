@@ -10,7 +10,8 @@ process on the first device, then as `shard.count=N` into a fresh output.dir:
   two processes on one GPU, checks that shards sharing a device still give complete, correct output.
 - `--launcher local_gpus`: the README's multi-GPU command, a Hydra multirun through
   hydra-submitit-launcher's local executor, one process per GPU (`runtime.device=auto`).
-Each run compiles (where its kernels do) into its own empty cache, so neither reuses the other's.
+Each run compiles (where its kernels do) into its own empty cache, so neither reuses the other's;
+with `--shared-cache` the shards load what the one-process run compiled and tuned.
 Checks: every id exactly once, _SUCCESS and the merged stats.json, and every image against the
 one-process run (byte-identical, or else the largest difference in levels and the PSNR). Figures:
 each command's wall time and images/s over the generate phase and over the whole run, from
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--launcher", choices=["popen", "local_gpus"], default="popen")
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--devices", nargs="+", default=["cuda:0", "cuda:0"], help="popen: shard i's runtime.device")
+    p.add_argument("--shared-cache", action="store_true", help="the shards reuse the one-process run's compile cache")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-shards"))
     p.add_argument("--out", type=Path, default=Path("shards.json"))
     p.add_argument("overrides", nargs="*", help="after --: Hydra overrides for every run")
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     single_s = timed([start(*common, f"output.dir={single}", f"runtime.device={args.devices[0]}", cache("single"))],
                      args.work / "single.log")
-    shard_args = [*common, f"output.dir={sharded}", f"shard.count={args.shards}", cache("sharded")]
+    shard_args = [*common, f"output.dir={sharded}", f"shard.count={args.shards}", cache("single" if args.shared_cache else "sharded")]
     if args.launcher == "popen":
         procs = [start(*shard_args, f"runtime.device={dev}", f"shard.index={i}") for i, dev in enumerate(args.devices)]
     else:
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     one, many = rates(stats["single"], single_s), rates(stats["sharded"], sharded_s)
     result = {
         "rows": len(expected), "model": args.model, "launcher": args.launcher, "shards": args.shards,
+        "shared_cache": args.shared_cache,
         "overrides": args.overrides, "gpu": stats["single"]["versions"].get("gpu"),
         "ids_exactly_once": sorted(ids) == sorted(expected),
         "success_marker": (sharded / "_SUCCESS").exists(),

@@ -32,7 +32,7 @@ from pipeline.fsutil import atomic_write_table, atomic_write_text
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
-from pipeline.models import build_model, check_items, model_limits
+from pipeline.models import attention_pixels, build_model, check_items, model_limits
 from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.prompts import manifest_texts, prompt_cache
@@ -77,6 +77,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     # 3. Plan the whole job (every shard computes the same plan), then take this shard's slice.
     # bcg.ladder=auto plans once the model is there (step 4b), unless an earlier run of this job chose.
     ladder, costs, auto_print = cfg.bcg.ladder, None, None
+    attention_px = attention_pixels(cfg.model) if shard.count > 1 else None  # shards split by cost
     counts = dict(Counter((it.height, it.width) for it in items))
     if ladder == AUTO and not items:
         ladder = list(cfg.bcg.auto_sizes)  # nothing to calibrate for, nothing to plan
@@ -95,7 +96,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
             )
     plan = mine = None
     if ladder != AUTO:
-        plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs)
+        plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs, attention_px)
 
     with JobLock(out_dir, shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
         if bad:
@@ -126,7 +127,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
                 cfg.bcg.warmup, cfg.bcg.enabled and device.type == "cuda", cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin,
             )
             ladder = list(choice.ladder)
-            plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs)
+            plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs, attention_px)
             save_choice(out_dir, costs, auto_print, auto)
             stop.check()
 
@@ -230,11 +231,13 @@ def read_valid_manifest(cfg: JobConfig):
     return items, bad, extras
 
 
-def plan_job(items, ladder, batch_overhead_rows: float, shard: ShardSpec, costs=None) -> tuple[Plan, list[Batch]]:
+def plan_job(items, ladder, batch_overhead_rows: float, shard: ShardSpec, costs=None,
+             attention_px: float | None = None) -> tuple[Plan, list[Batch]]:
     """The plan (with `costs`, measured step times per resolution and bucket, where auto chose the
-    ladder; else the linear model) and this shard's batches of it."""
+    ladder; else the linear model) and this shard's batches of it (split by `row_cost` with
+    `attention_px`)."""
     plan = make_plan(items, ladder, batch_overhead_rows, costs)
-    mine = shard_batches(plan, shard, batch_overhead_rows)
+    mine = shard_batches(plan, shard, batch_overhead_rows, attention_px)
     log.info(
         "plan: %d images in %d batches over %d resolutions, ladder %s, %d padded rows%s",
         plan.items, len(plan.batches), len(plan.resolutions()), list(plan.ladder), plan.padded_rows,

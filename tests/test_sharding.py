@@ -32,21 +32,22 @@ def items(counts: dict[tuple[int, int], int]) -> list[Item]:
     counts=st.dictionaries(st.tuples(st.sampled_from(SIDES), st.sampled_from(SIDES)), st.integers(1, 40), min_size=1, max_size=5),
     count=st.integers(1, 6),
     overhead=st.sampled_from([0.0, 1.0, 3.0]),
+    attention=st.sampled_from([None, 1e4, 1.77e6]),
 )
-def test_every_batch_in_exactly_one_shard_balanced_within_one_batch(counts, count, overhead):
+def test_every_batch_in_exactly_one_shard_balanced_within_one_batch(counts, count, overhead, attention):
     plan = make_plan(items(counts), [1, 2, 4, 8], overhead)
-    shards = [shard_batches(plan, ShardSpec(i, count), overhead) for i in range(count)]
+    shards = [shard_batches(plan, ShardSpec(i, count), overhead, attention) for i in range(count)]
     assert sorted(b.key for s in shards for b in s) == sorted(b.key for b in plan.batches)
     assert [b.key for s in shards for b in s] == [b.key for b in plan.batches]  # contiguous slices, plan order
-    total = sum(batch_cost(b, overhead) for b in plan.batches)
-    largest = max(batch_cost(b, overhead) for b in plan.batches)
+    total = sum(batch_cost(b, overhead, attention) for b in plan.batches)
+    largest = max(batch_cost(b, overhead, attention) for b in plan.batches)
     for s in shards:
-        assert abs(sum(batch_cost(b, overhead) for b in s) - total / count) <= largest
+        assert abs(sum(batch_cost(b, overhead, attention) for b in s) - total / count) <= largest
     split_groups = sum(
         len({i for i, s in enumerate(shards) if any((b.height, b.width) == res for b in s)}) - 1 for res in plan.resolutions()
     )
     assert split_groups <= count - 1
-    assert shards == [shard_batches(plan, ShardSpec(i, count), overhead) for i in range(count)]  # deterministic
+    assert shards == [shard_batches(plan, ShardSpec(i, count), overhead, attention) for i in range(count)]  # deterministic
 
 
 def test_cost_balances_pixels_not_rows():
@@ -56,6 +57,29 @@ def test_cost_balances_pixels_not_rows():
     a, b = (shard_batches(plan, ShardSpec(i, 2), 1.0) for i in range(2))
     assert sum(len(x.items) for x in a) == 40 and sum(len(x.items) for x in b) == 8
     assert [(x.height, x.width) for x in b] == [(256, 256)]
+
+
+def test_attention_weighs_large_rows_more_so_the_split_moves():
+    # 64 rows at 512 px and 16 at 1024 px in batches of 4: linear in pixels, the 1024 px rows are
+    # half the work and make one shard; with attention's share, they are more than half, so the
+    # first shard also takes one batch of them.
+    plan = make_plan(items({(512, 512): 64, (1024, 1024): 16}), [4], 0.0)
+    linear, attention = (shard_batches(plan, ShardSpec(0, 2), 0.0, a) for a in (None, 1.77e6))
+    assert [(b.height, len(b.items)) for b in linear] == [(512, 4)] * 16
+    assert [(b.height, len(b.items)) for b in attention] == [(512, 4)] * 16 + [(1024, 4)]
+
+
+def test_pixart_sigmas_config_predicts_the_measured_cost_of_a_large_row(tmp_path):
+    """The H200 ran PixArt-Sigma's step at 230.7 ms for 8 prompts at 1024 px and 88.0 ms for 16 at
+    512 px (docs/BENCHMARKS.md): a 1024 px row costs 5.2x a 512 px one, where pixels alone say 4x."""
+    from conftest import cpu_job
+    from pipeline.models import attention_pixels
+    from pipeline.sharding import row_cost
+
+    model = cpu_job(tmp_path / "m.parquet", tmp_path / "out", "model=pixart_sigma").model
+    a = attention_pixels(model)
+    assert 4.9 < row_cost(1024, 1024, a) / row_cost(512, 512, a) < 5.8
+    assert row_cost(1024, 1024) / row_cost(512, 512) == 4
 
 
 @pytest.mark.parametrize("index, count", [(2, 2), (-1, 2), (0, 0)])

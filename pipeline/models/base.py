@@ -67,6 +67,7 @@ class Family(Protocol):
     """The module-level functions of a family module."""
 
     PIPELINES: tuple[str, ...]  # diffusers pipeline classes it loads; the first one for random weights
+    TRANSFORMER: type  # the diffusers transformer class, whose defaults fill the config's gaps
 
     def limits(self, source: Source, cfg: ModelConfig) -> tuple[int, int]:
         """(pixel granularity, largest side) from configs alone, no weights."""

@@ -30,6 +30,7 @@ from pipeline.models.source import (
 )
 
 PIPELINES = ("DiTPipeline",)
+TRANSFORMER = DiTTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the unconditional half of CFG
 
 

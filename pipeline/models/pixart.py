@@ -33,6 +33,7 @@ from pipeline.transfer import to_device
 
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
 PIPELINES = (SIGMA, ALPHA)
+TRANSFORMER = PixArtTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 TEXT_LENGTH_MULTIPLE = 64  # kernels.trim_text_padding rounds the text length up to this many tokens
 
 

@@ -35,6 +35,7 @@ from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_toke
 from pipeline.transfer import to_device
 
 PIPELINES = ("StableDiffusion3Pipeline",)
+TRANSFORMER = SD3Transformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default T5 tokens per prompt
 CLIPS = ("text_encoder", "text_encoder_2")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
