@@ -110,27 +110,39 @@ def main(argv: list[str] | None = None) -> None:
     sharded_s = timed(procs, args.work / "sharded.log")
 
     ids = pq.read_table(sharded / "shards", columns=["id"]).column("id").to_pylist()
-    expected = pq.read_table(manifest, columns=["id"]).column("id").to_pylist()
+    rows = pq.read_table(manifest, columns=["id", "height", "width"]).to_pylist()
     stats = {name: json.loads((d / "stats.json").read_text()) for name, d in (("single", single), ("sharded", sharded))}
     one, many = rates(stats["single"], single_s), rates(stats["sharded"], sharded_s)
     result = {
-        "rows": len(expected), "model": args.model, "launcher": args.launcher, "shards": args.shards,
+        "rows": len(rows), "model": args.model, "launcher": args.launcher, "shards": args.shards,
         "shared_cache": args.shared_cache,
         "overrides": args.overrides, "gpu": stats["single"]["versions"].get("gpu"),
-        "ids_exactly_once": sorted(ids) == sorted(expected),
+        "ids_exactly_once": sorted(ids) == sorted(r["id"] for r in rows),
         "success_marker": (sharded / "_SUCCESS").exists(),
-        "images_vs_one_process": compare(single, sharded),
         "single": one, "sharded": many,
         "speedup": {k: round(many[k] / one[k], 3) for k in ("images_per_s", "wall_images_per_s", "command_images_per_s")},
         "per_shard": [{"index": s["shard"]["index"], "device": s["device"], "images": s["images"]["ok"],
-                       "generate_s": s["generate_s"], "images_per_s": s["images_per_s"]} for s in stats["sharded"]["shards"]],
+                       "generate_s": s["generate_s"], "images_per_s": s["images_per_s"],
+                       "per_resolution": s["per_resolution"]} for s in stats["sharded"]["shards"]],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    save(args.out, result)  # the figures first: the image comparison below reads every image twice
+    images = compare(single, sharded, per_image=True)
+    size = {r["id"]: f"{r['height']}x{r['width']}" for r in rows}
+    by_size: dict[str, list[int]] = {}
+    for image in images.pop("per_image"):
+        counts = by_size.setdefault(size[image["id"]], [0, 0])
+        counts[0] += image["max_levels"] == 0
+        counts[1] += 1
+    result["images_vs_one_process"] = {**images, "identical_per_resolution": {k: f"{a}/{n}" for k, (a, n) in sorted(by_size.items())}}
+    save(args.out, result)
+
+
+def save(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
     print("| check | result |\n|---|---|")
     for k, v in result.items():
-        print(f"| {k} | {v} |")
-
+        print(f"| {k} | {v} |", flush=True)
 
 if __name__ == "__main__":
     main()

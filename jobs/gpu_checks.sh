@@ -20,6 +20,10 @@
 #   DECODE_ARGS="--variants nchw compile chunked" bash jobs/gpu_checks.sh decode  # VAE decode per image, 512/768/1024 px
 #                                        # (chunked: kernels.compile_decoder's one compilation for every side)
 #   KERNELS=... bash jobs/gpu_checks.sh warmup   # our job alone on 60 rows with TORCH_LOGS=recompiles: graphs, compile s
+#   bash jobs/gpu_checks.sh shards       # issue 9, on nvidia-h200-x2: the 1,000-row manifest as one process, then
+#                                        # through the README's multi-GPU command; ids, images, images/s each way
+#                                        # (about 480 s; SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: about 190 s;
+#                                        # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels)
 # Every step has its own hard time limit (a compile can outlast a polite SIGTERM: the job finishes its step first).
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
 # Each step's exit code is printed with its summary; the script exits 1 if any step failed.
@@ -88,6 +92,11 @@ for what in "${@:-tests}"; do
   elif [ "$what" = decode ]; then
     timeout -s KILL ${DECODE_LIMIT:-60} python3 jobs/bench_decode.py ${DECODE_ARGS:-} --out "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1; decode_rc=$?
     echo "== decode"; rc $decode_rc; grep -E "^\||VAE|Error" "$OUT/bench_decode.log"
+  elif [ "$what" = shards ]; then
+    rm -rf /tmp/bench-shards
+    timeout -s KILL ${SHARDS_LIMIT:-540} python3 jobs/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$OUT/shards.json" ${SHARDS_ARGS:-} -- kernels=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$OUT/shards.log" 2>&1; shards_rc=$?
+    echo "== shards: one process, then the README's multi-GPU command ${SHARDS_ARGS:-} ${KERNELS:-}"; rc $shards_rc; grep -E "^\| (ids|success|single|sharded|speedup|per_shard|images_vs)" "$OUT/shards.log" | tail -7 | cut -c1-700
+    [ $shards_rc -ne 0 ] && tail -4 "$OUT/shards.log" | cut -c1-300
   elif [ "$what" = warmup ]; then
     rm -rf /tmp/warmup
     TORCH_LOGS=recompiles timeout -s KILL ${WARMUP_LIMIT:-180} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/warmup "${kernels[@]}" > "$OUT/warmup.log" 2>&1; warmup_rc=$?
