@@ -144,5 +144,6 @@ def save(path: Path, result: dict) -> None:
     for k, v in result.items():
         print(f"| {k} | {v} |", flush=True)
 
+
 if __name__ == "__main__":
     main()
