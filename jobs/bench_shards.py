@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from jobs.compare_images import compare
+from pipeline.stats import per_second
 
 SIZES = [(64, 64), (64, 96), (128, 128)]  # (height, width); multiples of 16, valid for the tiny model
 
@@ -71,7 +72,7 @@ def timed(procs: list[subprocess.Popen], log: Path) -> float:
 def rates(stats: dict, command_s: float) -> dict:
     return {"images": stats["images"]["ok"], "command_s": round(command_s, 2), "wall_s": stats["wall_s"],
             "generate_s": stats["generate_s"], "images_per_s": stats["images_per_s"],
-            "wall_images_per_s": stats["wall_images_per_s"], "command_images_per_s": round(stats["images"]["ok"] / command_s, 4)}
+            "wall_images_per_s": stats["wall_images_per_s"], "command_images_per_s": per_second(stats["images"]["ok"], command_s)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -92,7 +92,7 @@ def merge_stats(parts: list[dict], status: Counter) -> dict:
         merged["images_per_s"] = per_second(generated, merged["generate_s"])
         merged["wall_images_per_s"] = per_second(generated, merged["wall_s"])
     merged["shards"] = [
-        {"shard": p["shard"], "device": p.get("device"), "images": p["images"], "wall_s": p["wall_s"],
+        {"shard": p["shard"], "device": p["device"], "images": p["images"], "wall_s": p["wall_s"],
          "generate_s": p["generate_s"], "images_per_s": p["images_per_s"], "per_resolution": p["per_resolution"],
          "bcg": p["bcg"]}
         for p in parts

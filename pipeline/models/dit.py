@@ -119,7 +119,7 @@ def class_names(source: Source) -> dict[str, int]:
     weights without `model.id2label`), the names are the ids themselves: "0" ... "999"."""
     id2label = id2label_of(source)
     if id2label is None:
-        classes = config_value(DiTTransformer2DModel, source.configs["transformer"], "num_embeds_ada_norm")
+        classes = config_value(TRANSFORMER, source.configs["transformer"], "num_embeds_ada_norm")
         return {str(i): i for i in range(classes)}
     labels = {}
     for key, value in id2label.items():
@@ -135,7 +135,7 @@ def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
     """DiTPipeline generates at sample_size x VAE factor only (its unpatchify assumes the native
     square): granularity and largest side are both that side, so it is the one size accepted."""
     f = vae_scale_factor(source.configs["vae"])
-    native = config_value(DiTTransformer2DModel, source.configs["transformer"], "sample_size") * f
+    native = config_value(TRANSFORMER, source.configs["transformer"], "sample_size") * f
     return native, default_max_side(native, native, cfg.max_side)
 
 
@@ -164,7 +164,7 @@ def item_check(source: Source) -> Callable[[Item], list[str]]:
 def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
     arch = source.configs
     factories = {
-        "transformer": lambda: DiTTransformer2DModel(**arch["transformer"]),
+        "transformer": lambda: TRANSFORMER(**arch["transformer"]),
         "vae": lambda: AutoencoderKL(**arch["vae"]),
     }
     modules, name = make_modules(source, cfg, factories, device, dtype)

@@ -199,8 +199,8 @@ def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
     side (the largest side of diffusers' aspect-ratio bins for this sample size)."""
     transformer = source.configs["transformer"]
     f = vae_scale_factor(source.configs["vae"])
-    patch = config_value(PixArtTransformer2DModel, transformer, "patch_size")
-    native = config_value(PixArtTransformer2DModel, transformer, "sample_size") * f
+    patch = config_value(TRANSFORMER, transformer, "patch_size")
+    native = config_value(TRANSFORMER, transformer, "sample_size") * f
     return f * patch, default_max_side(native, None, cfg.max_side)
 
 
@@ -211,7 +211,7 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
 def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> PixArtAdapter:
     arch = source.configs
     factories = {
-        "transformer": lambda: PixArtTransformer2DModel(**arch["transformer"]),
+        "transformer": lambda: TRANSFORMER(**arch["transformer"]),
         "vae": lambda: AutoencoderKL(**arch["vae"]),
         "text_encoder": lambda: T5EncoderModel(T5Config(**arch["text_encoder"])),
     }

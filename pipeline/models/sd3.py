@@ -154,9 +154,9 @@ def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
     check_scheduler(source)
     transformer = source.configs["transformer"]
     f = vae_scale_factor(source.configs["vae"])
-    patch = config_value(SD3Transformer2DModel, transformer, "patch_size")
-    native = config_value(SD3Transformer2DModel, transformer, "sample_size") * f
-    grid = config_value(SD3Transformer2DModel, transformer, "pos_embed_max_size")
+    patch = config_value(TRANSFORMER, transformer, "patch_size")
+    native = config_value(TRANSFORMER, transformer, "sample_size") * f
+    grid = config_value(TRANSFORMER, transformer, "pos_embed_max_size")
     return f * patch, default_max_side(native, grid * patch * f if grid else None, cfg.max_side)
 
 
@@ -179,7 +179,7 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
     if source.path is None:
         arch = source.configs
         factories = {
-            "transformer": lambda: SD3Transformer2DModel(**arch["transformer"]),
+            "transformer": lambda: TRANSFORMER(**arch["transformer"]),
             "vae": lambda: AutoencoderKL(**arch["vae"]),
             "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder"])),
             "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder_2"])),
