@@ -2,19 +2,18 @@
 
     python jobs/train_digits.py [--out jobs/models/digits] [--device cpu|cuda] [--seed 0]
 
-One command, defaults (autoencoder 1,500 steps, denoiser 5,000 steps), on 2 CPU cores: 16.5 min
-(989 s), and the result reads 58 of 60 (97%) of tests/test_digits.py's digits right.
-The shipped weights (jobs/models/digits, 5.9 MiB of safetensors) came from two runs, seed 0:
-    python jobs/train_digits.py --device cuda --steps 3000 --out /tmp/digits-3k   # 133 s on one H200
-    python jobs/train_digits.py --init /tmp/digits-3k --vae-steps 0 --steps 2000   # 330 s, 2 CPU cores
-and read 59 of 60 (98%); 3,000 denoiser steps alone read 63%. A frozen random T5 instead of joint
-training (--freeze-text-encoder) read about a third after the same 3,000 steps.
+One command with the defaults (autoencoder 1,500 steps, denoiser 5,000 steps) trains on the CPU.
+The shipped weights (jobs/models/digits) came from two runs, seed 0:
+    python jobs/train_digits.py --device cuda --steps 3000 --out /tmp/digits-3k
+    python jobs/train_digits.py --init /tmp/digits-3k --vae-steps 0 --steps 2000
+tests/test_digits.py checks how many of its digits read right. --freeze-text-encoder keeps a random
+T5 instead of training it jointly (it reads far fewer digits right).
 
-Data: scikit-learn's digits (1,797 images, 8x8, 17 gray levels). The first 80% by index train the
-generator; the last 20% (`held_out_digits`) are never seen by it and train the classifier that
-tests/test_digits.py reads the generated digits with. Each image is resized (bilinear) to every
-size in SIZES, gray replicated to RGB in [-1, 1] (ink light on black), and paired with a prompt in
-one of PHRASINGS; 10% of prompts are "" so classifier-free guidance works.
+Data (pipeline/demo.py): scikit-learn's digits. The first TRAIN_SHARE by index train the generator;
+the rest are never seen by it and train the classifier that reads the generated digits. Each image
+is resized (bilinear) to every size in SIZES, gray replicated to RGB in [-1, 1] (ink light on
+black), and paired with a prompt in one of PHRASINGS; DROP_PROMPT of prompts are "" so
+classifier-free guidance works.
 
 Model, all diffusers / transformers components, so `model=pretrained model.path=<out>` (our pixart
 family) and `PixArtSigmaPipeline.from_pretrained(<out>)` both load it:
@@ -41,25 +40,17 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
 from omegaconf import OmegaConf
-from sklearn.datasets import load_digits
-from sklearn.svm import SVC
 from transformers import T5Config, T5EncoderModel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from pipeline.demo import SIZES, digits, prompt_for, split_indices, to_pixels  # noqa: E402
 from pipeline.models.tokenizer import build_char_tokenizer  # noqa: E402
 
 OUT = REPO / "jobs" / "models" / "digits"
 SCHEDULER = REPO / "conf" / "model" / "tiny.yaml"
-TRAIN_SHARE = 0.8  # the first 80% of the digits by index train the generator; the rest never
-SIZES = ((16, 16), (24, 24), (32, 32), (48, 48), (32, 24), (48, 32))  # (H, W), multiples of 8
 MAX_TEXT = 32  # tokens (characters + </s>) per prompt
 DROP_PROMPT = 0.1
-WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-PHRASINGS = (
-    "{d}", "{w}", "digit {d}", "digit {w}", "the number {w}", "the number {d}", "a handwritten digit {d}",
-    "a handwritten {w}", "handwritten number {d}", "a drawing of the digit {w}",
-)
 
 VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4,
@@ -77,56 +68,6 @@ TEXT_ENCODER = dict(
     vocab_size=98, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
     relative_attention_num_buckets=8, dropout_rate=0.0,
 )
-
-
-# ---- data ------------------------------------------------------------------------------------
-
-
-def split_indices(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held out) indices: the first TRAIN_SHARE of the digits by index, and the rest."""
-    cut = int(n * TRAIN_SHARE)
-    return np.arange(cut), np.arange(cut, n)
-
-
-def digits() -> tuple[np.ndarray, np.ndarray]:
-    """images [N, 8, 8] float in [0, 16], labels [N]."""
-    data = load_digits()
-    return data.images.astype(np.float32), data.target.astype(np.int64)
-
-
-def held_out_digits() -> tuple[np.ndarray, np.ndarray]:
-    images, labels = digits()
-    _, held = split_indices(len(labels))
-    return images[held], labels[held]
-
-
-def to_pixels(images8: np.ndarray, height: int, width: int) -> torch.Tensor:
-    """[N, 8, 8] in [0, 16] -> [N, 3, H, W] in [-1, 1], bilinear."""
-    x = torch.from_numpy(images8).float()[:, None] / 8.0 - 1.0
-    x = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False)
-    return x.expand(-1, 3, -1, -1).contiguous()
-
-
-def prompt_for(label: int, rng: random.Random) -> str:
-    return rng.choice(PHRASINGS).format(d=label, w=WORDS[label])
-
-
-# ---- the classifier that reads generated digits (tests/test_digits.py) ------------------------
-
-
-def features(images: np.ndarray) -> np.ndarray:
-    """[N, H, W] gray in [0, 1] (any size) -> [N, 64]: area-averaged down to 8x8."""
-    x = torch.from_numpy(np.asarray(images, np.float32))[:, None]
-    return F.adaptive_avg_pool2d(x, 8).flatten(1).numpy()
-
-
-def fit_classifier() -> SVC:
-    """An RBF support-vector classifier on the held-out digits only, resized up to 32 px and back
-    down, as a generated image is read. It reads 93% of the generator's own (real) training digits
-    right: the two splits come from different writers."""
-    images8, labels = held_out_digits()
-    gray = (to_pixels(images8, 32, 32)[:, 0].numpy() + 1.0) / 2.0
-    return SVC(gamma=0.5, C=10.0).fit(features(gray), labels)
 
 
 # ---- training --------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class KernelsConfig:
     # fuse_residual): only the layer norms and their modulation, what that block leaves to fuse.
     compile_scope: str = "model"
     # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
-    # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ (equal on the H200 at 1024 px).
+    # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ.
     fuse_qkv: bool = False
     # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
     fp8: bool = False
@@ -176,7 +176,7 @@ class BenchConfig:
     baseline_batch: int = 8
     # Run the baseline alone and save it (bench.json, and the images it compares on under
     # <output.dir>/baseline/); then `baseline_from=<that output.dir>` runs our job against it. For a
-    # manifest whose two halves do not fit one session or time limit; same machine, same settings.
+    # manifest whose two halves do not fit one allocation or time limit; same machine, same settings.
     baseline_only: bool = False
     baseline_from: Optional[str] = None
     # Images per resolution that ours is compared with, pixel by pixel: the first rows of the

@@ -11,7 +11,7 @@ Every process computes the same full plan, then keeps its own contiguous slice o
 - a row's cost grows with its pixels, and faster than linearly where self-attention's share grows:
   `pixels * (1 + pixels / attention_pixels)`, with `attention_pixels` the image size at which a
   block's attention costs as much as its matmuls (`pipeline.models.attention_pixels`, from the
-  model's config). On the H200, PixArt-Sigma's 1024 px row costs 5.2x a 512 px row, not 4x.
+  model's config): PixArt-Sigma's 1024 px row weighs more than 4x a 512 px row.
 """
 
 from __future__ import annotations

@@ -58,12 +58,20 @@ def png(path: Path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("RGB"))
 
 
-def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run_python(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python <args>` in a child process that imports this checkout's packages."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path)
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return run_python("-m", "pipeline.run", *args, cwd=cwd)
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """benchmarks/<script> run as a user runs it (a script is run, never imported by a test)."""
+    return run_python(str(REPO / "benchmarks" / script), *args, timeout=timeout)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""jobs/bench_decode.py on the CPU (the tiny model's VAE): it decodes in every layout asked for and
+"""benchmarks/bench_decode.py on the CPU (the tiny model's VAE): it decodes in every layout asked for and
 reports each against the first; unknown variants are named."""
 
 from __future__ import annotations
@@ -7,22 +7,24 @@ import json
 
 import pytest
 
-from jobs.bench_decode import main
+from conftest import run_benchmark
 
 
 def test_smoke_run_reports_every_layout_against_the_first(tmp_path):
     out = tmp_path / "d.json"
-    main(["--smoke", "--variants", "nchw", "channels_last", "--out", str(out)])
+    proc = run_benchmark("bench_decode.py", "--smoke", "--variants", "nchw", "channels_last", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     row = result["sides"]["64"]
     assert list(row) == ["nchw", "channels_last"]
     assert row["nchw"]["max_levels"] == 0 and row["nchw"]["ms_per_image"] > 0
     assert row["channels_last"]["max_levels"] <= 1  # the same decoder in another layout
+    assert "| 64 |" in proc.stdout  # the table, one row per side
 
 
 def test_unknown_variant_is_named(tmp_path):
-    with pytest.raises(SystemExit, match="variant 'nhwc' is not known"):
-        main(["--smoke", "--variants", "nhwc", "--out", str(tmp_path / "d.json")])
+    proc = run_benchmark("bench_decode.py", "--smoke", "--variants", "nhwc", "--out", str(tmp_path / "d.json"))
+    assert proc.returncode != 0 and "variant 'nhwc' is not known" in proc.stderr
 
 
 @pytest.mark.slow
@@ -30,7 +32,8 @@ def test_chunked_variant_decodes_what_the_job_decodes(tmp_path):
     """The variant of kernels.compile_decoder: compiled once for every side, one latent per call
     here, the same images up to bf16 rounding."""
     out = tmp_path / "d.json"
-    main(["--smoke", "--variants", "nchw", "chunked", "--chunk", "1", "--out", str(out)])
+    proc = run_benchmark("bench_decode.py", "--smoke", "--variants", "nchw", "chunked", "--chunk", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     for side in ("64", "96"):
         row = result["sides"][side]

@@ -19,14 +19,15 @@ import pytest
 import torch
 
 from conftest import cpu_job, job_config, png, write_manifest
-from jobs.bench_diffusers import GUIDANCE, diffusers_images
 from pipeline.job import run
 from pipeline.models import build_model, save_diffusers
 from pipeline.precision import apply_precision
+from pipeline.reference import diffusers_images
 
 MAX_LEVELS = 1  # per pixel, of 255
 MAX_SHARE_DIFFERENT = 1e-3  # of all pixels (measured: at most 2 of 12,288 in one image)
 STEPS = 4
+GUIDANCE = 4.5
 # Max abs difference (levels of 255) measured on 2 CPU cores, torch 2.13, diffusers 0.42.1: 1 level,
 # at 1-2 pixels of an image, in every case; 0 when our batches have diffusers' shapes
 # (bcg.ladder=[3]). The rest is fp32 rounding of differently shaped matmuls (text encoder chunks of
@@ -74,7 +75,7 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
     ))
     assert report["images"]["ok"] == len(rows) and report["model"] == "model"
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
-    reference = diffusers_images(directory, rows, STEPS, torch.device("cpu"), torch.float32)
+    reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32)
     worst = 0
     for r in rows:
         ours = png(tmp_path / "out" / "images" / f"{r['id']}.png").astype(int)

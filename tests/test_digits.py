@@ -2,7 +2,7 @@
 
 60 digits, six of each class, over mixed sizes and phrasings with fixed seeds, generated on the
 CPU through `pipeline.job.run` exactly as a user runs it; an SVC classifier trained
-only on the held-out digits that the generator never saw (jobs/train_digits.py's split) must read
+only on the held-out digits that the generator never saw (pipeline/demo.py's split) must read
 the requested digit in at least MIN_ACCURACY of them. Also: the demo job itself, with its contact
 sheet.
 """
@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, cpu_job, job_config, png, write_manifest
-from jobs.train_digits import PHRASINGS, SIZES, WORDS, fit_classifier, features
 from pipeline.contact_sheet import CONTACT_SHEET, contact_sheet
+from pipeline.demo import PHRASINGS, SIZES, WORDS, features, fit_classifier
 from pipeline.job import run
 from pipeline.models import model_limits
 from pipeline.writer import SHARDS_DIR

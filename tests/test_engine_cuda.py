@@ -14,7 +14,7 @@ import torch
 from bcg.buffers import pad_rows
 from bcg.engine import BCGEngine
 from conftest import cpu_job, model_config
-from jobs.make_demo_manifest import demo_table
+from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.models import build_model
 from pipeline.precision import apply_precision

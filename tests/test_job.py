@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import cpu_job, png, rows, run_cli, write_manifest
-from jobs.make_demo_manifest import demo_table
+from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.manifest import ManifestError
 from pipeline.models.pixart import PixArtAdapter

@@ -13,7 +13,7 @@ from bcg.buckets import pick_bucket
 from bcg.buffers import pad_rows
 from bcg.engine import BCGEngine
 from conftest import cpu_job, model_config, png
-from jobs.make_demo_manifest import demo_table
+from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.config import KernelsConfig
 from pipeline.kernels import apply_kernels

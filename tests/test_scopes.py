@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import cpu_job, png
-from jobs.make_demo_manifest import demo_table
+from pipeline.demo import demo_table
 from pipeline.job import run
 
 # forward runs diffusers' scheduler, step/loop our tables: fp32 on the CPU they agree to rounding.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import cpu_job, rows, write_manifest
+from conftest import cpu_job, rows, run_benchmark, write_manifest
 from pipeline.job import run
 from pipeline.manifest import Item
 from pipeline.merge import main as merge_main
@@ -134,12 +134,11 @@ def test_sharded_multirun_through_submitit_local_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_bench_shards_script_finds_every_image_of_one_process_in_the_shards(tmp_path):
-    """jobs/bench_shards.py, as on two GPUs but with two CPU processes: its checks and its figures."""
-    from jobs.bench_shards import main as bench_shards
-
+    """benchmarks/bench_shards.py, as on two GPUs but with two CPU processes: its checks and its figures."""
     out = tmp_path / "r.json"
-    bench_shards(["--rows", "6", "--devices", "cpu", "cpu", "--work", str(tmp_path / "w"), "--out", str(out),
-                  "--", "precision=fp32", "sampler.steps=2"])
+    proc = run_benchmark("bench_shards.py", "--rows", "6", "--devices", "cpu", "cpu", "--work", str(tmp_path / "w"),
+                         "--out", str(out), "--", "precision=fp32", "sampler.steps=2", timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(out.read_text())
     assert r["ids_exactly_once"] and r["success_marker"]
     assert r["images_vs_one_process"]["images"] == 6 and r["images_vs_one_process"]["identical"] == 6

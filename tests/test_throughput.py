@@ -95,11 +95,11 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     assert json.loads((tmp_path / "out" / BENCH).read_text()) == result
 
 
-def test_compare_images_reports_psnr_and_worst_difference(tmp_path):
+def test_image_comparison_reports_psnr_and_worst_difference(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from jobs.compare_images import compare
+    from pipeline.compare import compare
 
     rng = np.random.default_rng(0)
     base = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)

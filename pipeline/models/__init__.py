@@ -72,8 +72,7 @@ def attention_pixels(cfg: ModelConfig) -> float:
     matmuls, from configs alone (sharding's cost model, `pipeline.sharding.row_cost`). Per image
     token and layer, the matmuls take about 12 d^2 multiply-adds (q, k, v, out and a 4x MLP, hidden
     size d) and self-attention over N tokens 2 N d: equal at N = 6 d tokens, each (VAE factor x
-    patch)^2 pixels. PixArt-Sigma: 1.77 Mpx, so a 1024 px row is predicted at 5.5x a 512 px row
-    (5.2x measured for the transformer on the H200)."""
+    patch)^2 pixels. PixArt-Sigma: 1.77 Mpx, so a 1024 px row is predicted at 5.5x a 512 px row."""
     source = model_source(cfg)
     cls, transformer = FAMILIES[source.family].TRANSFORMER, source.configs["transformer"]
     hidden = config_value(cls, transformer, "num_attention_heads") * config_value(cls, transformer, "attention_head_dim")

@@ -176,7 +176,7 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
 
 
 def build_random_for_bench(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
-    """A random-weight DiT from a conf/model file (jobs/bench_scopes.py)."""
+    """A random-weight DiT from a conf/model file (benchmarks/bench_scopes.py)."""
     from pipeline.models import model_source  # the registry imports this module
 
     return build(model_source(cfg), cfg, device, dtype)

@@ -2,9 +2,9 @@
 
 On the GPU, from the repository root (random weights, bf16, TF32 off, cudnn.benchmark off, CFG 4.5):
 
-    python jobs/bench_scopes.py --out outputs/bench/bench_scopes.json
+    python benchmarks/bench_scopes.py --out outputs/benchmarks/bench_scopes.json
 
-CPU check (tiny model only, eager only): `python jobs/bench_scopes.py --smoke --out /tmp/scopes.json`
+CPU check (tiny model only, eager only): `python benchmarks/bench_scopes.py --smoke --out /tmp/scopes.json`
 
 Modes, all through `pipeline.denoise.Denoiser` on one batch of n prompts, `--steps` steps:
 - eager: graphs off, the checkpoint's diffusers scheduler (the forward scope run eagerly);
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bcg.engine import BCGEngine
-from jobs.bench_engine import DTYPE, bench_device, environment, pixart_adapter, save_and_report
+from benchmarks.bench_engine import DTYPE, bench_device, environment, pixart_adapter, save_and_report
 from pipeline.config import ModelConfig
 from pipeline.denoise import Denoiser
 from pipeline.models import build_model

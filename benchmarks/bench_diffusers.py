@@ -2,8 +2,8 @@
 
 On the GPU, from the repository root (bf16, TF32 off, cudnn.benchmark off), both in one run:
 
-    python jobs/bench_diffusers.py --out outputs/bench/bench_diffusers.json            # speed
-    python jobs/bench_diffusers.py --parity --out outputs/bench/parity_diffusers.json  # parity
+    python benchmarks/bench_diffusers.py --out outputs/benchmarks/bench_diffusers.json            # speed
+    python benchmarks/bench_diffusers.py --parity --out outputs/benchmarks/parity_diffusers.json  # parity
 
 CPU check of either, in seconds (tiny models, no graphs): add `--smoke`.
 
@@ -65,10 +65,11 @@ from pipeline.models.pixart import PixArtAdapter
 from pipeline.models.source import build_random_modules
 from pipeline.noise import batch_noise
 from pipeline.precision import apply_precision
+from pipeline.reference import diffusers_images, to_levels
 
 GUIDANCE = 4.5
 VALID_TOKENS = 20  # real tokens per random prompt; the rest of the 300 are padding (mask 0)
-# diffusers PixArtSigmaPipeline given prompt embeddings, bf16, H200 (the lead's measurement), img/s
+# img/s of diffusers' PixArtSigmaPipeline given prompt embeddings, bf16, on an H200: the report prints them beside this run's
 REFERENCE_DIFFUSERS = {(512, 1): 1.73, (512, 8): 6.15, (1024, 1): 1.17, (1024, 8): 1.21}
 MID_OVERRIDES = ["arch.text_encoder.num_layers=2", "arch.text_encoder.d_ff=1024", "arch.text_encoder.num_heads=8"]
 PARITY_MODELS = {  # name -> (conf/model file, overrides, rows as (id, width, height, seed, prompt, negative))
@@ -113,11 +114,6 @@ def median_seconds(call: Callable[[], object], device: torch.device, warmup: int
 def pixel_diff(a: np.ndarray, b: np.ndarray) -> dict:
     d = np.abs(a.astype(np.int16) - b.astype(np.int16))
     return {"max": int(d.max()), "mean": round(float(d.mean()), 4), "over_2": round(float((d > 2).mean()), 6)}
-
-
-def to_levels(images: np.ndarray) -> np.ndarray:
-    """diffusers' float [0, 1] numpy images -> uint8, as its numpy_to_pil rounds."""
-    return (images * 255).round().astype("uint8")
 
 
 # ---- speed ------------------------------------------------------------------------------------
@@ -264,28 +260,6 @@ def job_config(overrides: list[str]):
         return OmegaConf.to_object(compose("config", overrides=overrides))
 
 
-def diffusers_images(directory: Path, rows: list[dict], steps: int, device, dtype) -> dict[str, np.ndarray]:
-    name = json.loads((directory / "model_index.json").read_text())["_class_name"]
-    pipe = getattr(diffusers, name).from_pretrained(directory, torch_dtype=dtype).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    groups: dict[tuple[int, int], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["height"], r["width"]), []).append(r)
-    out = {}
-    for (height, width), group in groups.items():
-        common = dict(num_inference_steps=steps, guidance_scale=GUIDANCE, output_type="np",
-                      generator=[torch.Generator("cpu").manual_seed(r["seed"]) for r in group])
-        if name == "DiTPipeline":
-            images = pipe(class_labels=pipe.get_label_ids([r["prompt"] for r in group]), **common).images
-        else:
-            extra = dict(use_resolution_binning=False, clean_caption=False) if name.startswith("PixArt") else {}
-            images = pipe(prompt=[r["prompt"] for r in group], negative_prompt=[r["negative_prompt"] or "" for r in group],
-                          height=height, width=width, **extra, **common).images
-        out.update({r["id"]: to_levels(image) for r, image in zip(group, images)})
-    del pipe
-    return out
-
-
 def run_parity(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -307,7 +281,7 @@ def run_parity(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
             gc.collect()
             manifest = tmp / "manifest.parquet"
             pq.write_table(pa.Table.from_pylist(rows), manifest)
-            reference = diffusers_images(directory, rows, args.steps, device, dtype)
+            reference = diffusers_images(directory, rows, args.steps, GUIDANCE, device, dtype)
             for scope in args.scopes:
                 out = tmp / f"out-{scope}"
                 entry = dict(model=name, scope=scope, rows=len(rows), sizes=sorted({(r["height"], r["width"]) for r in rows}))
@@ -367,7 +341,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1, help="untimed batches per case (speed)")
     p.add_argument("--graph-warmup", type=int, default=3, help="eager passes before each capture (bcg.warmup)")
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "bench_diffusers.json")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_diffusers.json")
     args = p.parse_args()
     args.sides = args.sides or ([64, 128] if args.smoke else [512, 1024])
     args.batches = args.batches or ([1, 2] if args.smoke else [1, 8])

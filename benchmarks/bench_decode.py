@@ -3,7 +3,7 @@
 On the GPU, from the repository root (the SDXL VAE of conf/model/pixart_sigma.yaml, random weights,
 bf16, TF32 off, cudnn.benchmark off):
 
-    python jobs/bench_decode.py --out outputs/bench/bench_decode.json
+    python benchmarks/bench_decode.py --out outputs/benchmarks/bench_decode.json
 
 For each side in `--sides` and each variant, `--batch` latents are decoded as the job decodes them
 (`PixArtAdapter.decode`: the scaled latents through `vae.decode`); median ms per image over `--iters`
@@ -13,7 +13,7 @@ default layout), `channels_last` (the VAE's weights in channels_last: cuDNN's NH
 `kernels.compile_decoder` runs: the decoder compiled once with symbolic height and width, latents
 decoded `--chunk` at a time by `pipeline.kernels.decode_in_chunks`; its first call at the first side
 includes the one compilation).
-CPU check (the tiny model's VAE): `python jobs/bench_decode.py --smoke --out /tmp/d.json`.
+CPU check (the tiny model's VAE): `python benchmarks/bench_decode.py --smoke --out /tmp/d.json`.
 """
 
 # ruff: noqa: E402
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from diffusers import AutoencoderKL
 
-from jobs.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
+from benchmarks.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
 from pipeline.generate import to_uint8
 from pipeline.kernels import compile_stats, compile_vae_decoder, decode_in_chunks
 

@@ -2,12 +2,12 @@
 
 On the GPU, from the repository root (random weights, bf16, TF32 off, cudnn.benchmark off):
 
-    python jobs/bench_engine.py --out outputs/bench/bench_engine.json
+    python benchmarks/bench_engine.py --out outputs/benchmarks/bench_engine.json
 
 Check on a CPU (tiny models, eager only: without CUDA the engine runs no graphs, and torch.compile
-is plain inductor; `--no-compile` makes it take seconds instead of ~25):
+is plain inductor; `--no-compile` skips that compile, most of the check's time):
 
-    python jobs/bench_engine.py --smoke --out /tmp/bench.json
+    python benchmarks/bench_engine.py --smoke --out /tmp/bench.json
 
 Models: PixArt-Sigma XL/2 (`conf/model/pixart_sigma.yaml`) at `--resolutions`, stepped by
 `PixArtAdapter.guided_eps` itself; DiT-XL/2 (`conf/model/dit_xl_2_256.yaml`) at 256 px, stepped by

@@ -1,7 +1,7 @@
 """Write the mixed-resolution manifests of `+job=bench` (seeded, so the files are reproducible).
 
-    python jobs/make_bench_manifest.py            # both files below
-    python jobs/make_bench_manifest.py --rows 1000 --out jobs/manifests/bench_mixed.parquet
+    python benchmarks/make_bench_manifest.py            # both files below
+    python benchmarks/make_bench_manifest.py --rows 1000 --out jobs/manifests/bench_mixed.parquet
 
 About 60% of rows at 512 px, 25% at 768 px and 15% at 1024 px, in counts that leave remainders at
 every ladder (so remainder handling and padding are part of what is measured), in shuffled order.
@@ -21,9 +21,8 @@ SUBJECTS = ["a lighthouse", "a red fox", "a city street", "a bowl of fruit", "a 
             "a sailing ship", "a desert canyon", "a cat on a sofa", "a glass teapot", "a forest path", "a jazz club"]
 STYLES = ["at dawn", "in watercolor", "photorealistic", "in the rain", "as a pencil sketch", "at night, neon light",
           "in soft studio light", "from above"]
-DEFAULTS = {1000: Path(__file__).parent / "manifests" / "bench_mixed.parquet",
-            200: Path(__file__).parent / "manifests" / "bench_small.parquet",
-            60: Path(__file__).parent / "manifests" / "bench_tiny.parquet"}
+MANIFESTS = Path(__file__).resolve().parents[1] / "jobs" / "manifests"
+DEFAULTS = {1000: MANIFESTS / "bench_mixed.parquet", 200: MANIFESTS / "bench_small.parquet", 60: MANIFESTS / "bench_tiny.parquet"}
 
 
 def counts(rows: int) -> dict[int, int]:

@@ -1,6 +1,6 @@
 """One process against N shard processes: the same images, and images/s each way.
 
-    python jobs/bench_shards.py --out outputs/gpu/shards.json [--rows 200] [--model tiny]
+    python benchmarks/bench_shards.py --out outputs/benchmarks/shards.json [--rows 200] [--model tiny]
         [--manifest M] [--launcher popen|local_gpus] [--shards 2] [--devices cuda:0 cuda:0]
         [-- OVERRIDE ...]
 
@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from jobs.compare_images import compare
+from pipeline.compare import compare
 from pipeline.stats import per_second
 
 SIZES = [(64, 64), (64, 96), (128, 128)]  # (height, width); multiples of 16, valid for the tiny model

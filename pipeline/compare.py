@@ -1,10 +1,11 @@
 """Compare the images of two output directories of the same manifest (e.g. kernels.fp8=true vs bf16).
 
-    python jobs/compare_images.py OUT_A OUT_B [--json result.json]
+    python -m pipeline.compare OUT_A OUT_B [--json result.json]
 
 Per image id present in both: max absolute difference (levels of 255) and PSNR (dB, peak 255);
 prints the mean, the worst PSNR and the worst max difference. Files with equal bytes are not
-decoded, and the rest decode on threads: 1,000 images of up to 1024 px take seconds, not minutes.
+decoded (identical outputs are the common case), and the rest decode on threads (PNG decoding
+releases the GIL).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from pipeline.errors import UserError
+from pipeline.writer import IMAGES_DIR
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -34,11 +38,12 @@ def compare_one(path_a: Path, path_b: Path) -> dict:
 
 def compare(dir_a: Path, dir_b: Path, per_image: bool = False) -> dict:
     """The summary; with `per_image`, each image's row too (under "per_image")."""
-    names = sorted(p.name for p in (dir_a / "images").glob("*.png") if (dir_b / "images" / p.name).exists())
+    images_a, images_b = dir_a / IMAGES_DIR, dir_b / IMAGES_DIR
+    names = sorted(p.name for p in images_a.glob("*.png") if (images_b / p.name).exists())
     if not names:
-        raise SystemExit(f"no image id is in both {dir_a}/images and {dir_b}/images")
+        raise UserError(f"no image id is in both {images_a} and {images_b}")
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        rows = list(pool.map(lambda name: compare_one(dir_a / "images" / name, dir_b / "images" / name), names))
+        rows = list(pool.map(lambda name: compare_one(images_a / name, images_b / name), names))
     finite = [r["psnr_db"] for r in rows if math.isfinite(r["psnr_db"])]
     result = {"images": len(rows), "identical": len(rows) - len(finite),
               "mean_psnr_db": round(float(np.mean(finite)), 2) if finite else math.inf,
@@ -53,7 +58,10 @@ def main() -> None:
     parser.add_argument("b", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = compare(args.a, args.b)
+    try:
+        result = compare(args.a, args.b)
+    except UserError as err:
+        parser.exit(2, f"{err}\n")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark, on a CUDA machine, from the repo root. Logs and JSON go under
+# $BENCH_OUT (default outputs/benchmarks); each stage prints a short summary. Stages run in the order given
+# (default: cuda-tests):
+#   bash benchmarks/gpu_checks.sh cuda-tests     # the whole suite, cuda tests included; bench_scopes.py (bcg.scope
+#                                                # per-image denoise times); the demo job on the GPU
+#   bash benchmarks/gpu_checks.sh diffusers      # the cuda tests, the GPU demo, then bench_diffusers.py: end-to-end
+#                                                # images/s against diffusers' pipeline, and bf16 image parity with it
+#   bash benchmarks/gpu_checks.sh engine         # bench_engine.py: one CFG step eager vs replayed, per resolution and
+#                                                # bucket; capture time and graph pool bytes
+#   bash benchmarks/gpu_checks.sh bench-200      # +job=bench (its own kernels and ladder; KERNELS overrides them)
+#                                                # on the 200-row manifest: our job against diffusers' pipeline
+#   bash benchmarks/gpu_checks.sh fp8            # kernels.fp8 true vs false on the 60-row manifest: images/s, and PSNR
+#                                                # and worst difference of the images (uncompiled cuDNN kernels;
+#                                                # fp8 excludes fuse_gelu)
+#   bash benchmarks/gpu_checks.sh kernels-1024   # bench_kernels.py at 1024 px, 8 prompts: a CFG step's ms and share of
+#                                                # the matmul rate per kernel variant, time by kernel category, top
+#                                                # kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others;
+#                                                # TEXT_TOKENS=64: captions of 64 tokens, as kernels.trim_text_padding fits them)
+#   bash benchmarks/gpu_checks.sh kernels-512    # the same at 512 px, 16 prompts (the bench manifest's most common shape)
+#   bash benchmarks/gpu_checks.sh baseline-1000  # diffusers' pipeline alone on the 1,000-row manifest, saved under
+#                                                # $BENCH_OUT/baseline_1000 for bench-1000
+#   bash benchmarks/gpu_checks.sh bench-1000     # our job on the same rows against that saved baseline
+#                                                # (BASELINE_FROM=dir: another), compiling from an empty inductor
+#                                                # cache (COMPILE_CACHE=dir: that cache)
+#   bash benchmarks/gpu_checks.sh compile-cache  # the 60-row job twice with one fresh kernels.compile_cache_dir:
+#                                                # compile cold, then warm
+#   bash benchmarks/gpu_checks.sh micro          # SDPA as the step calls it (views, masked cross-attention), GELU and
+#                                                # residual epilogues, matmul rates
+#   DECODE_ARGS="--variants nchw compile chunked" bash benchmarks/gpu_checks.sh decode
+#                                                # bench_decode.py: VAE decode ms per image at 512/768/1024 px per
+#                                                # variant (chunked: kernels.compile_decoder's one compilation)
+#   KERNELS=... bash benchmarks/gpu_checks.sh recompiles  # our job alone on 60 rows with TORCH_LOGS=recompiles:
+#                                                # recompiles, graphs, compile and warm-up seconds
+#   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
+#                                                # README's multi-GPU command; ids, images, images/s each way
+#                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
+#                                                # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels)
+# The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
+# the job finishes its step first); the *_LIMIT variables below change them.
+# KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
+# Each step's exit code is printed with its summary; the script exits 1 if any step failed.
+set -uo pipefail
+BENCH_OUT=${BENCH_OUT:-outputs/benchmarks}
+mkdir -p "$BENCH_OUT"
+export PYTHONUNBUFFERED=1
+fail=0
+rc() { echo "rc=$1"; [ "$1" -eq 0 ] || fail=1; }  # print a step's exit code; remember a failure
+# bench_summary TITLE RC LOG: a +job=bench step's exit code and table, or its last lines if it failed
+bench_summary() { echo "== $1"; rc $2; grep -A10 "^| system" "$3" | cut -c1-400; tail_if_failed $2 "$3"; }
+# tail_if_failed RC LOG: the last lines of a failed step's log
+tail_if_failed() { [ $1 -ne 0 ] && tail -4 "$2" | cut -c1-300; true; }
+# stats_summary LABEL STATS_JSON: a job's images/s, warm-up, wall time, GPU busy and kernels (compile figures included)
+stats_summary() { [ -f "$2" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[2])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'stage_s', s.get('stage_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$1" "$2"; true; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$BENCH_OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$BENCH_OUT/gpu.txt"
+read -r -a kernels <<< "${KERNELS:-}"
+
+pytest_cuda() {  # the cuda-marked tests, each one's result
+  python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda > "$BENCH_OUT/pytest_cuda.log" 2>&1; local code=$?
+  echo "== pytest cuda"; rc $code; grep -E "PASSED|FAILED|ERROR|forward vs step" "$BENCH_OUT/pytest_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -2 "$BENCH_OUT/pytest_cuda.log"
+}
+
+gpu_demo() {  # +job=demo on the GPU in bf16
+  rm -rf /tmp/gpu-demo
+  python3 -m pipeline.run +job=demo runtime.device=cuda precision=bf16 output.dir=/tmp/gpu-demo > "$BENCH_OUT/demo.log" 2>&1; local code=$?
+  cp /tmp/gpu-demo/stats.json "$BENCH_OUT/demo_stats.json" 2>/dev/null
+  echo "== demo"; rc $code; grep -E "BCG|summary" "$BENCH_OUT/demo.log" | cut -c1-300
+}
+
+cuda_tests() {
+  pytest_cuda
+  python3 -m pytest -p no:cacheprovider -q -m "not cuda" > "$BENCH_OUT/pytest_cpu.log" 2>&1; cpu_rc=$?
+  echo "== pytest not-cuda"; rc $cpu_rc; tail -2 "$BENCH_OUT/pytest_cpu.log"
+  python3 benchmarks/bench_scopes.py --out "$BENCH_OUT/bench_scopes.json" > "$BENCH_OUT/bench_scopes.log" 2>&1; scopes_rc=$?
+  echo "== scopes"; rc $scopes_rc; tail -12 "$BENCH_OUT/bench_scopes.log"
+  gpu_demo
+}
+
+diffusers() {
+  pytest_cuda
+  gpu_demo
+  python3 benchmarks/bench_diffusers.py --scopes forward loop --graph-warmup 1 --out "$BENCH_OUT/bench_diffusers.json" > "$BENCH_OUT/bench_diffusers.log" 2>&1; diff_rc=$?
+  echo "== diffusers speed"; rc $diff_rc; tail -14 "$BENCH_OUT/bench_diffusers.log"
+  python3 benchmarks/bench_diffusers.py --parity --out "$BENCH_OUT/parity_diffusers.json" > "$BENCH_OUT/parity_diffusers.log" 2>&1; parity_rc=$?
+  echo "== diffusers parity"; rc $parity_rc; tail -16 "$BENCH_OUT/parity_diffusers.log"
+}
+
+engine() {
+  timeout -s KILL ${ENGINE_LIMIT:-600} python3 benchmarks/bench_engine.py --out "$BENCH_OUT/bench_engine.json" > "$BENCH_OUT/bench_engine.log" 2>&1; engine_rc=$?
+  echo "== engine"; rc $engine_rc; grep -E "^\||graphs captured|capture total|torch.compile|skipped" "$BENCH_OUT/bench_engine.log" | cut -c1-300
+  tail_if_failed $engine_rc "$BENCH_OUT/bench_engine.log"
+}
+
+bench_200() {
+  rm -rf /tmp/bench-200
+  timeout -s KILL ${BENCH_LIMIT:-360} python3 -m pipeline.run +job=bench manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/bench-200 "${kernels[@]}" > "$BENCH_OUT/bench_200.log" 2>&1; b200_rc=$?
+  cp /tmp/bench-200/bench.json "$BENCH_OUT/bench_200.json" 2>/dev/null; cp /tmp/bench-200/stats.json "$BENCH_OUT/bench_200_stats.json" 2>/dev/null
+  bench_summary "bench 200 rows ${KERNELS:-}" $b200_rc "$BENCH_OUT/bench_200.log"
+}
+
+fp8() {
+  for fp8 in false true; do
+    rm -rf /tmp/fp8-$fp8
+    timeout -s KILL ${FP8_LIMIT:-150} python3 -m pipeline.run +job=bench bench.baseline=false kernels=default kernels.attention=cudnn kernels.trim_text_padding=false bcg/ladder=pow2_8 kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$BENCH_OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
+    cp /tmp/fp8-$fp8/stats.json "$BENCH_OUT/fp8_$fp8.json" 2>/dev/null
+  done
+  python3 -m pipeline.compare /tmp/fp8-false /tmp/fp8-true --json "$BENCH_OUT/fp8_vs_bf16.json" > "$BENCH_OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
+  echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$BENCH_OUT/fp8_vs_bf16.log"
+  for f in "$BENCH_OUT"/fp8_false.json "$BENCH_OUT"/fp8_true.json; do stats_summary "$f" "$f"; done
+  tail -n2 "$BENCH_OUT"/fp8_true.log | cut -c1-300
+}
+
+kernels_1024() {
+  timeout -s KILL ${KERNELS_LIMIT:-200} python3 benchmarks/bench_kernels.py --iters 8 --no-scopes --profile ${TEXT_TOKENS:+--text-tokens $TEXT_TOKENS} --variants ${KERNEL_VARIANTS:-cudnn cudnn+compile+blocks cudnn+compile+static} --out "$BENCH_OUT/bench_kernels.json" > "$BENCH_OUT/bench_kernels.log" 2>&1; kernels_rc=$?
+  echo "== kernels 1024 px, 8 prompts"; rc $kernels_rc; grep -E "^\||TFLOP|Error|^Top|^  " "$BENCH_OUT/bench_kernels.log" | cut -c1-160
+}
+
+kernels_512() {
+  timeout -s KILL ${K512_LIMIT:-100} python3 benchmarks/bench_kernels.py --side 512 --bucket 16 --iters 8 --no-scopes --profile --variants cudnn cudnn+compile+blocks --out "$BENCH_OUT/bench_kernels_512.json" > "$BENCH_OUT/bench_kernels_512.log" 2>&1; k512_rc=$?
+  echo "== kernels 512 px, 16 prompts"; rc $k512_rc; grep -E "^\||TFLOP|Error|^  " "$BENCH_OUT/bench_kernels_512.log" | cut -c1-160
+}
+
+baseline_1000() {
+  rm -rf "$BENCH_OUT/baseline_1000"
+  timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_only=true output.dir="$BENCH_OUT/baseline_1000" > "$BENCH_OUT/baseline_1000.log" 2>&1; base_rc=$?
+  echo "== baseline, 1,000 rows"; rc $base_rc; grep -E "diffusers baseline|baseline saved" "$BENCH_OUT/baseline_1000.log" | cut -c1-300
+}
+
+bench_1000() {
+  rm -rf /tmp/bench-1000
+  local cache=${COMPILE_CACHE:-$(mktemp -d /tmp/inductor-cold.XXXX)}  # default: compile from nothing, as a first run does
+  timeout -s KILL ${BENCH_LIMIT:-560} python3 -m pipeline.run +job=bench bench.baseline_from=${BASELINE_FROM:-$BENCH_OUT/baseline_1000} output.dir=/tmp/bench-1000 kernels.compile_cache_dir=$cache "${kernels[@]}" > "$BENCH_OUT/bench_1000.log" 2>&1; b1000_rc=$?
+  cp /tmp/bench-1000/bench.json "$BENCH_OUT/bench_1000.json" 2>/dev/null; cp /tmp/bench-1000/stats.json "$BENCH_OUT/bench_1000_stats.json" 2>/dev/null
+  bench_summary "ours against the saved baseline, 1,000 rows ${KERNELS:-}" $b1000_rc "$BENCH_OUT/bench_1000.log"
+}
+
+compile_cache() {
+  local cache
+  cache=$(mktemp -d /tmp/inductor-cache.XXXX)
+  for run in cold warm; do
+    rm -rf /tmp/compile-cache-$run
+    timeout -s KILL ${WARMUP_LIMIT:-180} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/compile-cache-$run kernels.compile_cache_dir=$cache "${kernels[@]}" > "$BENCH_OUT/compile_cache_$run.log" 2>&1; eval "cache_${run}_rc=$?"
+    cp /tmp/compile-cache-$run/stats.json "$BENCH_OUT/compile_cache_${run}_stats.json" 2>/dev/null
+  done
+  echo "== compile cache: the 60-row job twice, one inductor cache ${KERNELS:-}"; rc $cache_cold_rc; rc $cache_warm_rc
+  for run in cold warm; do stats_summary $run "$BENCH_OUT/compile_cache_${run}_stats.json"; done
+  du -sh "$cache"
+}
+
+micro() {
+  timeout -s KILL ${MICRO_LIMIT:-90} python3 benchmarks/bench_kernels.py --micro-only --iters 10 --out "$BENCH_OUT/bench_micro.json" > "$BENCH_OUT/bench_micro.log" 2>&1; micro_rc=$?
+  echo "== micro"; rc $micro_rc; grep -vE "warn|^\s*$|\"\"\"" "$BENCH_OUT/bench_micro.log" | tail -14 | cut -c1-250
+}
+
+decode() {
+  timeout -s KILL ${DECODE_LIMIT:-60} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$BENCH_OUT/bench_decode.json" > "$BENCH_OUT/bench_decode.log" 2>&1; decode_rc=$?
+  echo "== decode"; rc $decode_rc; grep -E "^\||VAE|Error" "$BENCH_OUT/bench_decode.log"
+}
+
+recompiles() {
+  rm -rf /tmp/recompiles
+  TORCH_LOGS=recompiles timeout -s KILL ${WARMUP_LIMIT:-180} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/recompiles "${kernels[@]}" > "$BENCH_OUT/recompiles.log" 2>&1; recompiles_rc=$?
+  cp /tmp/recompiles/stats.json "$BENCH_OUT/recompiles_stats.json" 2>/dev/null
+  echo "== recompiles ${KERNELS:-}"; rc $recompiles_rc; echo "recompile lines: $(grep -c 'Recompiling function' "$BENCH_OUT/recompiles.log")"; grep -A3 "Recompiling function" "$BENCH_OUT/recompiles.log" | head -12 | cut -c1-250
+  stats_summary recompiles "$BENCH_OUT/recompiles_stats.json"
+  tail_if_failed $recompiles_rc "$BENCH_OUT/recompiles.log"
+}
+
+shards() {
+  rm -rf /tmp/bench-shards
+  timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
+  echo "== shards: one process, then the README's multi-GPU command ${SHARDS_ARGS:-} ${KERNELS:-}"; rc $shards_rc; grep -E "^\| (ids|success|single|sharded|speedup|per_shard|images_vs)" "$BENCH_OUT/shards.log" | tail -7 | cut -c1-700
+  tail_if_failed $shards_rc "$BENCH_OUT/shards.log"
+}
+
+for what in "${@:-cuda-tests}"; do
+  case "$what" in
+    cuda-tests) cuda_tests ;;
+    diffusers) diffusers ;;
+    engine) engine ;;
+    bench-200) bench_200 ;;
+    fp8) fp8 ;;
+    kernels-1024) kernels_1024 ;;
+    kernels-512) kernels_512 ;;
+    baseline-1000) baseline_1000 ;;
+    bench-1000) bench_1000 ;;
+    compile-cache) compile_cache ;;
+    micro) micro ;;
+    decode) decode ;;
+    recompiles) recompiles ;;
+    shards) shards ;;
+    *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
+  esac
+done
+exit $fail
