@@ -35,7 +35,7 @@ fail=0
 rc() { echo "rc=$1"; [ "$1" -eq 0 ] || fail=1; }  # print a step's exit code; remember a failure
 # bench_summary TITLE RC LOG: a +job=bench step's exit code and table, or its last lines if it failed
 # stats_summary LABEL STATS_JSON: a job's images/s, warm-up, wall time, GPU busy and kernels (compile figures included)
-stats_summary() { [ -f "$2" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[2])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'stage_s', s.get('stage_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$1" "$2"; true; }
+stats_summary() { [ -f "$2" ] && python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[2]); print(sys.argv[1], 'generate img/s', s.images_per_s, 'stage_s', s.stage_s, 'warmup_s', s.bcg.warmup_s, 'wall_s', s.wall_s, 'gpu_busy', s.gpu_busy and s.gpu_busy.fraction, 'kernels', s.kernels)" "$1" "$2"; true; }
 bench_summary() { echo "== $1"; rc $2; grep -A10 "^| system" "$3" | cut -c1-400; [ $2 -ne 0 ] && tail -4 "$3" | cut -c1-300; true; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
