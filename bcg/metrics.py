@@ -1,8 +1,9 @@
-"""Engine counters, reported in stats.json under `bcg`."""
+"""Engine counters while it runs (`EngineMetrics`), and the records stats.json holds under `bcg`:
+one engine's (`EngineReport`) and the totals over several shards' engines (`EngineTotals`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -40,14 +41,71 @@ class EngineMetrics:
     def capture_s(self) -> float:
         return sum(g.capture_s for g in self.graphs.values())
 
+    def report(self) -> EngineReport:
+        """A snapshot of the counters as stats.json records them (seconds rounded, graphs copied)."""
+        return EngineReport(**{
+            **asdict(self), "graphs": [replace(g) for g in self.graphs.values()], "graphs_captured": len(self.graphs),
+            "capture_s": round(self.capture_s, 4), "warmup_s": round(self.warmup_s, 4),
+            "first_pass_s": round(self.first_pass_s, 4),
+        })
+
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["graphs_captured"] = len(self.graphs)
-        out["capture_s"] = round(self.capture_s, 4)
-        out["warmup_s"] = round(self.warmup_s, 4)
-        out["first_pass_s"] = round(self.first_pass_s, 4)
-        out["graphs"] = [asdict(g) for g in self.graphs.values()]
-        return out
+        return asdict(self.report())
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineReport:
+    """One engine's counters at the end of a job (`EngineMetrics.report`)."""
+
+    active: bool
+    reason: str  # why graphs were off ("" when active)
+    graphs: list[GraphRecord]
+    graphs_captured: int
+    hits: int
+    misses: int
+    eager_calls: int
+    padded_rows: int
+    dropped: list[str]  # graphs whose capture ran out of memory (their bucket runs eagerly)
+    capture_s: float
+    warmup_s: float
+    first_pass_s: float
+    predicted_pool_bytes: int
+    predicted_separate_pools_bytes: int
+    pool_bytes: int
+    static_input_bytes: int
+
+    @property
+    def largest_pool_bytes(self) -> int:
+        return self.pool_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTotals:
+    """Several engines' counters summed (one per shard; each shard keeps its per-graph records)."""
+
+    graphs_captured: int
+    capture_s: float
+    warmup_s: float
+    hits: int
+    misses: int
+    eager_calls: int
+    padded_rows: int
+    active: bool  # any engine had graphs on
+    pool_bytes_max: int  # the largest engine's pool
+
+    @property
+    def largest_pool_bytes(self) -> int:
+        return self.pool_bytes_max
+
+    @classmethod
+    def of(cls, engines: list[EngineReport]) -> EngineTotals:
+        return cls(
+            graphs_captured=sum(e.graphs_captured for e in engines), capture_s=sum(e.capture_s for e in engines),
+            warmup_s=sum(e.warmup_s for e in engines), hits=sum(e.hits for e in engines),
+            misses=sum(e.misses for e in engines), eager_calls=sum(e.eager_calls for e in engines),
+            padded_rows=sum(e.padded_rows for e in engines), active=any(e.active for e in engines),
+            pool_bytes_max=max(e.pool_bytes for e in engines),
+        )
 
 
 def graph_name(key: tuple, bucket: int) -> str:

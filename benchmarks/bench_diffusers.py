@@ -266,6 +266,7 @@ def run_parity(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     from PIL import Image
 
     from pipeline.job import run
+    from pipeline.report import PartReport
 
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     models = ["tiny", "tiny_dit"] if args.smoke else args.parity_models
@@ -286,11 +287,12 @@ def run_parity(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 out = tmp / f"out-{scope}"
                 entry = dict(model=name, scope=scope, rows=len(rows), sizes=sorted({(r["height"], r["width"]) for r in rows}))
                 try:
-                    report = run(job_config([
+                    part = run(job_config([
                         "model=pretrained", f"model.path={directory}", f"manifest.path={manifest}", f"output.dir={out}",
                         f"precision={precision}", f"runtime.device={device.type}", "runtime.progress=false",
                         f"bcg.scope={scope}", f"sampler.steps={args.steps}", f"sampler.guidance_scale={GUIDANCE}",
                     ]))
+                    report = PartReport.from_dict(part, f"parity {name} {scope}")
                 except Exception as err:  # one model or scope failing must not lose the others' results
                     entry["error"] = f"{type(err).__name__}: {err}"
                     results.append(entry)
@@ -301,7 +303,8 @@ def run_parity(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 entry.update(
                     max=max(d["max"] for d in diffs), mean=round(statistics.mean(d["mean"] for d in diffs), 4),
                     over_2=round(statistics.mean(d["over_2"] for d in diffs), 6), per_image=dict(zip(ours, diffs)),
-                    bcg={k: report["bcg"][k] for k in ("active", "graphs_captured", "hits", "misses") if k in report["bcg"]},
+                    bcg=dict(active=report.bcg.active, graphs_captured=report.bcg.graphs_captured, hits=report.bcg.hits,
+                             misses=report.bcg.misses),
                 )
                 results.append(entry)
                 log.info("parity %s %s: max %d mean %.4f", name, scope, entry["max"], entry["mean"])

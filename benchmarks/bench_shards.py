@@ -36,6 +36,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pipeline.compare import compare
+from pipeline.merge import STATS
+from pipeline.report import RunReport
 from pipeline.stats import per_second
 
 SIZES = [(64, 64), (64, 96), (128, 128)]  # (height, width); multiples of 16, valid for the tiny model
@@ -69,10 +71,10 @@ def timed(procs: list[subprocess.Popen], log: Path) -> float:
     return time.perf_counter() - began
 
 
-def rates(stats: dict, command_s: float) -> dict:
-    return {"images": stats["images"]["ok"], "command_s": round(command_s, 2), "wall_s": stats["wall_s"],
-            "generate_s": stats["generate_s"], "images_per_s": stats["images_per_s"],
-            "wall_images_per_s": stats["wall_images_per_s"], "command_images_per_s": per_second(stats["images"]["ok"], command_s)}
+def rates(stats: RunReport, command_s: float) -> dict:
+    return {"images": stats.images.ok, "command_s": round(command_s, 2), "wall_s": stats.wall_s,
+            "generate_s": stats.generate_s, "images_per_s": stats.images_per_s,
+            "wall_images_per_s": stats.wall_images_per_s, "command_images_per_s": per_second(stats.images.ok, command_s)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,19 +114,18 @@ def main(argv: list[str] | None = None) -> None:
 
     ids = pq.read_table(sharded / "shards", columns=["id"]).column("id").to_pylist()
     rows = pq.read_table(manifest, columns=["id", "height", "width"]).to_pylist()
-    stats = {name: json.loads((d / "stats.json").read_text()) for name, d in (("single", single), ("sharded", sharded))}
+    stats = {name: RunReport.read(d / STATS) for name, d in (("single", single), ("sharded", sharded))}
     one, many = rates(stats["single"], single_s), rates(stats["sharded"], sharded_s)
     result = {
         "rows": len(rows), "model": args.model, "launcher": args.launcher, "shards": args.shards,
         "shared_cache": args.shared_cache,
-        "overrides": args.overrides, "gpu": stats["single"]["versions"].get("gpu"),
+        "overrides": args.overrides, "gpu": stats["single"].versions.get("gpu"),
         "ids_exactly_once": sorted(ids) == sorted(r["id"] for r in rows),
         "success_marker": (sharded / "_SUCCESS").exists(),
         "single": one, "sharded": many,
         "speedup": {k: round(many[k] / one[k], 3) for k in ("images_per_s", "wall_images_per_s", "command_images_per_s")},
-        "per_shard": [{"index": s["shard"]["index"], "device": s["device"], "images": s["images"]["ok"],
-                       "generate_s": s["generate_s"], "images_per_s": s["images_per_s"],
-                       "per_resolution": s["per_resolution"]} for s in stats["sharded"]["shards"]],
+        "per_shard": [{"index": s.shard.index, "device": s.device, "images": s.images.ok, "generate_s": s.generate_s,
+                       "images_per_s": s.images_per_s, "per_resolution": s.per_resolution} for s in stats["sharded"].shards],
     }
     save(args.out, result)  # the figures first: the image comparison below reads every image twice
     images = compare(single, sharded, per_image=True)

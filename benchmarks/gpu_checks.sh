@@ -51,7 +51,7 @@ bench_summary() { echo "== $1"; rc $2; grep -A10 "^| system" "$3" | cut -c1-400;
 # tail_if_failed RC LOG: the last lines of a failed step's log
 tail_if_failed() { [ $1 -ne 0 ] && tail -4 "$2" | cut -c1-300; true; }
 # stats_summary LABEL STATS_JSON: a job's images/s, warm-up, wall time, GPU busy and kernels (compile figures included)
-stats_summary() { [ -f "$2" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[2])); print(sys.argv[1], 'generate img/s', s.get('images_per_s'), 'stage_s', s.get('stage_s'), 'warmup_s', s['bcg'].get('warmup_s'), 'wall_s', s.get('wall_s'), 'gpu_busy', (s.get('gpu_busy') or {}).get('fraction'), 'kernels', s.get('kernels'))" "$1" "$2"; true; }
+stats_summary() { [ -f "$2" ] && python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[2]); print(sys.argv[1], 'generate img/s', s.images_per_s, 'stage_s', s.stage_s, 'warmup_s', s.bcg.warmup_s, 'wall_s', s.wall_s, 'gpu_busy', s.gpu_busy and s.gpu_busy.fraction, 'kernels', s.kernels)" "$1" "$2"; true; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$BENCH_OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$BENCH_OUT/gpu.txt"
 read -r -a kernels <<< "${KERNELS:-}"

@@ -36,7 +36,9 @@ from pipeline.fsutil import atomic_write_text
 from pipeline.calibrate import SAVED
 from pipeline.kernels import check_kernels, start_compile_workers
 from pipeline.models import build_model, to_diffusers
+from pipeline.models.base import Adapter
 from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.report import PartReport
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 
 log = logging.getLogger(__name__)
@@ -87,34 +89,11 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     if cfg.bench.baseline_only:
         return save_baseline(out_dir, baseline, reference, fingerprint, len(items))
     start = time.perf_counter()
-    report = run(cfg, resolved_config, adapter=adapter)
+    part = run(cfg, resolved_config, adapter=adapter)
     ours_s = time.perf_counter() - start
-
-    ok = report["images"]["ok"]
-    stats_bcg = report["bcg"]
-    result = {
-        "rows": len(items),
-        "baseline": baseline,
-        "ours": {
-            "images": ok,
-            "end_to_end_s": round(ours_s, 3),
-            "images_per_s": round(ok / ours_s, 4),
-            "generate_s": report["generate_s"],
-            "generate_images_per_s": report["images_per_s"],
-            "stage_s": report["stage_s"],
-            "padded_row_share": round(report["padded_rows"] / max(ok + report["padded_rows"], 1), 4),
-            "graph_pool_mib": mib(stats_bcg["pool_bytes"]),
-            "capture_s": stats_bcg["capture_s"],
-            "warmup_s": stats_bcg["warmup_s"],
-            "gpu_busy": (report.get("gpu_busy") or {}).get("fraction"),
-            "kernels": report["kernels"],
-            "ladder": report["ladder"],
-            "scope": report["scope"],
-        },
-        "speedup_end_to_end": round(baseline["seconds"] / ours_s * ok / baseline["images"], 3),
-        "speedup_generate": round(report["images_per_s"] / baseline["images_per_s"], 3) if report["images_per_s"] else None,
-        "vs_baseline_pixels": compare_images(out_dir, reference),
-    }
+    report = PartReport.from_dict(part, "our job's report")
+    result = {"rows": len(items), **comparison(baseline, report, ours_s),
+              "vs_baseline_pixels": compare_images(out_dir, reference)}
     if saved is not None:
         result["baseline_from"] = cfg.bench.baseline_from
     atomic_write_text(out_dir / BENCH, json.dumps(result, indent=2))
@@ -122,7 +101,34 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     return result
 
 
-def diffusers_baseline(adapter, items, steps: int, guidance: float, batch: int,
+def comparison(baseline: dict, report: PartReport, ours_s: float) -> dict:
+    """The baseline, our job's figures (end to end: `ours_s`; the generate phase: `report`), and the
+    speed-ups."""
+    ok, engine = report.images.ok, report.bcg
+    return {
+        "baseline": baseline,
+        "ours": {
+            "images": ok,
+            "end_to_end_s": round(ours_s, 3),
+            "images_per_s": round(ok / ours_s, 4),
+            "generate_s": report.generate_s,
+            "generate_images_per_s": report.images_per_s,
+            "stage_s": report.stage_s,
+            "padded_row_share": round(report.padded_rows / max(ok + report.padded_rows, 1), 4),
+            "graph_pool_mib": mib(engine.pool_bytes),
+            "capture_s": engine.capture_s,
+            "warmup_s": engine.warmup_s,
+            "gpu_busy": None if report.gpu_busy is None else report.gpu_busy.fraction,
+            "kernels": report.kernels,
+            "ladder": report.ladder,
+            "scope": report.scope,
+        },
+        "speedup_end_to_end": round(baseline["seconds"] / ours_s * ok / baseline["images"], 3),
+        "speedup_generate": round(report.images_per_s / baseline["images_per_s"], 3) if report.images_per_s else None,
+    }
+
+
+def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, batch: int,
                        references: int) -> tuple[dict, dict[str, np.ndarray]]:
     """-> (timing, {id: uint8 image} for the first `references` rows of every resolution)."""
     pipe = to_diffusers(adapter)

@@ -4,6 +4,7 @@ any other multirun, summarise its jobs in the sweep directory."""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ class MergeShards(Callback):
         except IncompleteError as err:
             log.error("%s", err)
             return
-        log.info("merged %d shards: %s -> %s", len(merged["shards"]), merged["images"], out_dir)
+        log.info("merged %d shards: %s -> %s", len(merged.shards), asdict(merged.images), out_dir)
 
 
 class SweepSummary(Callback):

@@ -20,6 +20,7 @@ import torch
 from bcg.buffers import InputSpec
 from bcg.engine import BCGEngine, Output, ShapeKey
 from pipeline.errors import UserError
+from pipeline.models.base import Adapter
 from pipeline.samplers import SAMPLERS, Sampler, make_sampler
 
 SCOPES = ("forward", "step", "loop")
@@ -30,7 +31,7 @@ Inputs = dict[str, torch.Tensor]
 class Denoiser:
     """Owns the sampler and the engine for one job; `denoise` runs one batch."""
 
-    def __init__(self, adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine] | None = None):
+    def __init__(self, adapter: Adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine] | None = None):
         if scope not in SCOPES:
             raise UserError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
         self.adapter = adapter

@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 from bcg.buckets import pick_bucket
 from pipeline.denoise import Denoiser
+from pipeline.models.base import Adapter
 from pipeline.noise import batch_noise
 from pipeline.planner import Batch
 from pipeline.prompts import PromptCache, negative_or_default
+from pipeline.report import GpuBusyReport
 from pipeline.stats import RunStats, StageTimer
 from pipeline.transfer import to_host
 from pipeline.writer import IMAGES_DIR, BatchResult
@@ -74,7 +77,8 @@ class PendingBatch:
         return rows, [pixels[i] if ok else None for i, ok in enumerate(finite)]
 
 
-def submit_with_retry(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> PendingBatch:
+def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
+                      stats: RunStats) -> PendingBatch:
     """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
     its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
     that still does not fit is marked failed. The batch still commits as one shard under its key."""
@@ -103,7 +107,8 @@ def sub_batch(batch: Batch, items, ladder) -> Batch:
     return Batch(batch.key, batch.height, batch.width, pick_bucket(ladder, len(items)), tuple(items))
 
 
-def submit_batch(adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict, stats: RunStats) -> PendingBatch:
+def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
+                 stats: RunStats) -> PendingBatch:
     """Queue one planned batch's device work; nothing here waits for the device."""
     items = batch.items
     n = len(items)
@@ -205,7 +210,7 @@ class GpuBusy:
             end.record()
             self.spans.append((self._begin, end))
 
-    def report(self, wall_s: float) -> dict | None:
+    def report(self, wall_s: float) -> GpuBusyReport | None:
         """Once every span has completed (after the writer closed): `fraction`, busy seconds over
         `wall_s` (the generate phase, the writer's tail included), and `between_batches`, busy
         seconds over the device's own span from the first batch to the last (gaps only)."""
@@ -213,7 +218,8 @@ class GpuBusy:
             return None
         busy_s = sum(b.elapsed_time(e) for b, e in self.spans) / 1000
         span_s = self.spans[0][0].elapsed_time(self.spans[-1][1]) / 1000
-        return {"fraction": round(min(busy_s / wall_s, 1.0), 4),
-                "between_batches": round(min(busy_s / span_s, 1.0), 4) if span_s > 0 else None,
-                "busy_s": round(busy_s, 4), "device_span_s": round(span_s, 4), "generate_s": round(wall_s, 4),
-                "batches": len(self.spans)}
+        return GpuBusyReport(
+            fraction=round(min(busy_s / wall_s, 1.0), 4),
+            between_batches=round(min(busy_s / span_s, 1.0), 4) if span_s > 0 else None,
+            busy_s=round(busy_s, 4), device_span_s=round(span_s, 4), generate_s=round(wall_s, 4), batches=len(self.spans),
+        )

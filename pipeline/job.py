@@ -1,7 +1,7 @@
-"""One generation job, from a typed config: manifest -> plan -> model -> engine -> outputs.
+"""One generation job, from a typed config: manifest -> ladder -> plan -> model -> engine -> outputs.
 
-`run(cfg)` is what the CLI calls and what tests call directly; below it, functions take explicit
-arguments, not the config.
+`run(cfg)` is what the CLI calls and what tests call directly. It reads as numbered steps, each one
+call to a function below it; those take the values (or the config sections) they need.
 """
 
 from __future__ import annotations
@@ -10,32 +10,34 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import pyarrow as pa
 import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from bcg.engine import BCGEngine
-from pipeline.calibrate import AUTO, auto_ladder, fingerprint, load_choice, save_choice
-from pipeline.config import JobConfig, check_choices
+from pipeline.calibrate import save_choice
+from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices
 from pipeline.contact_sheet import write_contact_sheet
 from pipeline.denoise import Denoiser
-from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               start_compile_workers, with_attention)
-from pipeline.fsutil import atomic_write_table, atomic_write_text
+from pipeline.fsutil import atomic_write_table
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
-from pipeline.manifest import ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
+from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
+from pipeline.manifest import BadRow, Item, ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_limits
+from pipeline.models.base import Adapter
 from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
-from pipeline.prompts import manifest_texts, prompt_cache
+from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
+from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
 from pipeline.sharding import ShardSpec, shard_batches
@@ -47,18 +49,107 @@ ERRORS = "errors.parquet"
 PROMPT_CACHE_ENTRIES = 4096
 
 
-def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
-    """The kernel settings refused before the model is built (a pretrained checkpoint's family is
-    known only once its model_index.json is read; apply_kernels checks again then)."""
-    check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
+@dataclass(frozen=True)
+class Setup:
+    """Where and how this process runs, fixed in step 1."""
+
+    shard: ShardSpec
+    device: torch.device
+    precision: dict[str, Any]  # apply_precision's record
+    out_dir: Path
 
 
-def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=None) -> dict:
-    """Run the job (or this process's shard of it); returns this part's stats. User errors raise
-    ValueError subclasses (ManifestError, ResumeConflict, LockedError) before anything is generated;
-    SIGINT/SIGTERM raise `Interrupted` once the current batch is committed. `adapter`: a model
-    already built from cfg.model (the benchmark's, shared with its diffusers baseline)."""
+@dataclass(frozen=True)
+class ShardPlan:
+    plan: Plan  # the whole job's (every shard computes the same)
+    mine: list[Batch]  # this shard's batches of it
+
+    @property
+    def images(self) -> int:
+        return sum(len(b.items) for b in self.mine)
+
+
+@dataclass(frozen=True)
+class Built:
+    """The model with its kernels, and the denoiser that runs it in bcg.scope."""
+
+    adapter: Adapter
+    denoiser: Denoiser
+    kernels: dict[str, Any]  # apply_kernels' report
+    compiled_before: dict[str, Any]  # compile_stats() before the kernels were applied
+    fields: dict[str, Any]  # job_fields: what every output row says about how it was made
+
+
+@dataclass(frozen=True)
+class Generated:
+    generate_s: float  # first batch queued to the writer's last commit
+    writer_busy_s: float
+    gpu_busy: GpuBusyReport | None
+
+
+def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None) -> dict[str, Any]:
+    """Run the job (or this process's shard of it); returns this part's report as
+    parts/shard-*.json holds it (`PartReport.to_dict()`). User errors raise ValueError subclasses
+    (ManifestError, ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
+    `Interrupted` once the current batch is committed. `adapter`: a model already built from
+    cfg.model (the benchmark's, shared with its diffusers baseline)."""
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
+    setup, stats = start(cfg)
+
+    # 2. Read and validate the manifest against the model's limits (no weights needed for that).
+    items, bad, extras = read_valid_manifest(cfg)
+
+    # 3. Resolve the ladder: bcg.ladder, or with bcg.ladder=auto the choice an earlier run of this job
+    #    saved; a new auto choice waits for the model (step 7).
+    ladder = resolve_ladder(cfg.bcg, items, setup.shard, setup.device, setup.out_dir,
+                            settings_digest(cfg, setup.precision))
+
+    # 4. Plan the whole job (every shard computes the same plan), then take this shard's slice.
+    planned = plan_ladder(ladder, items, cfg, setup.shard)
+
+    with JobLock(setup.out_dir, setup.shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
+        # 5. The bad rows' reasons; the temporary files of a process that died.
+        prepare_output(setup.out_dir, bad)
+
+        # 6. The model and its kernels, and the denoiser that runs it in bcg.scope.
+        built = build(cfg, items, setup, adapter)
+        stop.check()
+
+        # 7. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
+        #    choice is saved so that a resumed job plans the same).
+        ladder, planned = calibrated_plan(ladder, planned, cfg, items, built.denoiser, setup)
+        stop.check()
+
+        # 8. The denoiser's engine on that ladder, then the batches not committed under output.dir yet.
+        built.denoiser.attach(engine_factory(cfg, ladder.ladder, setup.device))
+        todo = batches_left(setup.out_dir, planned, built.fields, cfg.output.on_conflict, setup.shard)
+
+        # 9. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
+        prompts = prompt_cache(built.adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES,
+                               cfg.model.offload_text_encoder)
+        stop.check()
+
+        # 10. Graphs for every resolution this shard runs, before its first batch.
+        capture(built.denoiser, todo, cfg.bcg.capture)
+        stop.check()
+
+        # 11. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
+        #     for its results. A stop signal takes effect once the queued batches are committed.
+        generated = generate(built, prompts, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
+
+        # 12. This part's report, under parts/.
+        report = part_report(cfg, setup, stats, planned, todo, len(bad), built, ladder, prompts, generated,
+                             resolved_config)
+        write_part(setup.out_dir, setup.shard, report)
+
+    # 13. The run-level stats.json and _SUCCESS once every shard's part is in; the contact sheet.
+    finish(setup.out_dir, report, setup.shard, cfg.output.contact_sheet)
+    return report.to_dict()
+
+
+def start(cfg: JobConfig) -> tuple[Setup, RunStats]:
+    """Refuse bad choices and kernel settings, select the device, start the compile workers (they
+    come up while the model is built), set the numerics flags; the job's clock starts here."""
     check_choices(cfg)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     stats = RunStats()
@@ -66,151 +157,18 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=N
     if device.type == "cuda":
         torch.cuda.set_device(device)
     check_job_kernels(cfg, device)
-    start_compile_workers(cfg.kernels, device)  # they come up while the model is built
+    start_compile_workers(cfg.kernels, device)
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
-    out_dir = Path(cfg.output.dir)
-
-    # 2. Read and validate the manifest against the model's limits (no weights needed for that).
-    items, bad, extras = read_valid_manifest(cfg)
-    stats.invalid = len(bad)
-
-    # 3. Plan the whole job (every shard computes the same plan), then take this shard's slice.
-    # bcg.ladder=auto plans once the model is there (step 4b), unless an earlier run of this job chose.
-    ladder, costs, auto_print = cfg.bcg.ladder, None, None
-    attention_px = attention_pixels(cfg.model) if shard.count > 1 else None  # shards split by cost
-    counts = dict(Counter((it.height, it.width) for it in items))
-    if ladder == AUTO and not items:
-        ladder = list(cfg.bcg.auto_sizes)  # nothing to calibrate for, nothing to plan
-    elif ladder == AUTO:
-        auto_print = fingerprint(counts, cfg.bcg.auto_sizes, cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin,
-                                 cfg.bcg.enabled and device.type == "cuda", settings_digest(cfg, precision))
-        saved = load_choice(out_dir, auto_print)
-        if saved is not None:
-            ladder, costs = saved.ladder, saved.costs
-            log.info("bcg.ladder=auto: reusing the ladder %s chosen by the first run of this job (%s)", ladder, out_dir)
-        elif shard.count > 1:
-            raise UserError(
-                "bcg.ladder=auto with shard.count > 1: every shard must plan with the same ladder, so choose it "
-                "once (run the job with one shard, or read bcg.ladder_auto in a calibration run's stats.json) and "
-                "pass it as bcg.ladder=[...]"
-            )
-    plan = mine = None
-    if ladder != AUTO:
-        plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs, attention_px)
-
-    with JobLock(out_dir, shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
-        if bad:
-            atomic_write_table(out_dir / ERRORS, errors_table(bad))
-            log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
-        removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR))
-        if removed:
-            log.info("removed %d temporary files left by a process that died", removed)
-
-        # 4. Model and its kernels.
-        adapter = adapter or build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
-        resolutions = sorted({(it.height, it.width) for it in items})
-        k = cfg.kernels
-        compiled_before = compile_stats()
-        kernels = apply_kernels(k, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
-                                texts=manifest_texts(items))
-        stop.check()
-
-        # 4b. bcg.ladder=auto: calibrate one step of this scope, choose, plan (saved so that a resumed
-        # job plans the same).
-        denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
-        auto = None
-        if plan is None:
-            step_fn, step_specs = denoiser.one_step()
-            choice, costs, auto = auto_ladder(
-                with_attention(step_fn, k.attention, device.type), step_specs, counts, list(cfg.bcg.auto_sizes),
-                cfg.sampler.steps, device,
-                cfg.bcg.warmup, cfg.bcg.enabled and device.type == "cuda", cfg.bcg.pool_limit_gib, cfg.bcg.pool_margin,
-            )
-            ladder = list(choice.ladder)
-            plan, mine = plan_job(items, ladder, cfg.bcg.batch_overhead_rows, shard, costs, attention_px)
-            save_choice(out_dir, costs, auto_print, auto)
-            stop.check()
-
-        # 4c. The denoiser's engine, then what is already committed under output.dir.
-        denoiser.attach(engine_factory(cfg, ladder, device))
-        fields = job_fields(cfg, adapter.name, denoiser.sampler_label, precision)
-        todo = batches_to_run(out_dir, plan, mine, fields, cfg.output.on_conflict, shard)
-        stats.planned = sum(len(b.items) for b in mine)
-        stats.skipped = stats.planned - sum(len(b.items) for b in todo)
-        if todo:
-            reopen(out_dir, shard)
-        else:
-            log.info("nothing to do: all %d batches of %s are already committed under %s", len(mine), shard.name, out_dir)
-
-        # 5. Graphs for every resolution this shard runs, before its first batch; prompts; writer.
-        # (prompts first: with model.offload_text_encoder the text encoders are freed before capture)
-        prompts = prompt_cache(
-            adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES, cfg.model.offload_text_encoder
-        )
-        stop.check()
-        shapes = buckets_by_resolution(todo, denoiser.engine.ladder)
-        denoiser.capture_all(sorted(shapes), shapes if cfg.bcg.capture == "plan" else None)
-        stop.check()
-        writer = Writer(
-            out_dir,
-            shard_schema(extras, cfg.output.embed_images),
-            cfg.output.queue_size,
-            cfg.output.png_compress_level,
-            cfg.output.embed_images,
-            cfg.output.encode_threads,
-        )
-
-        # 6. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
-        # for its results. A stop signal takes effect once the queued batches are committed.
-        busy = GpuBusy(device)
-        inflight = Inflight(cfg.runtime.inflight_batches)
-        stats.generate_started = time.perf_counter()
-        try:
-            with logging_redirect_tqdm(), tqdm(total=stats.planned - stats.skipped, unit="img",
-                                               disable=not cfg.runtime.progress) as bar:
-                for batch in todo:
-                    bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
-                    busy.begin()
-                    pending = submit_with_retry(adapter, denoiser, prompts, batch, fields, stats)
-                    busy.end()
-                    writer.submit(pending)
-                    inflight.admit(pending)
-                    bar.update(len(batch.items))
-                    stop.check()
-        finally:
-            writer.close()
-            denoiser.engine.close()
-        generate_s = time.perf_counter() - stats.generate_started
-
-        # 7. This part's stats; the run-level stats.json and _SUCCESS once every shard's part is in.
-        report = stats.to_dict()
-        report.update(
-            shard={"index": shard.index, "count": shard.count},
-            ladder=list(denoiser.engine.ladder),
-            scope=cfg.bcg.scope,
-            sampler=denoiser.sampler_label,
-            precision=precision,
-            device=str(device),
-            model=adapter.name,
-            bcg=denoiser.engine.metrics.to_dict(),
-            prompt_cache={"encoded": prompts.encoded, "hits": prompts.hits},
-            writer_busy_s=round(writer.busy_s, 4),
-            gpu_busy=busy.report(generate_s),
-            kernels={**kernels, "first_pass_s": round(denoiser.engine.metrics.first_pass_s, 4),
-                     **(compile_stats(since=compiled_before) if k.compile or k.compile_decoder else {})},
-            ladder_auto=auto and {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
-            versions=library_versions(),
-            config=resolved_config,
-        )
-        (out_dir / PARTS_DIR).mkdir(exist_ok=True)
-        atomic_write_text(part_path(out_dir, shard.name), json.dumps(report, indent=2, default=str))
-    finish(out_dir, report, shard)
-    if cfg.output.contact_sheet:
-        log.info("contact sheet: %s", write_contact_sheet(out_dir))
-    return report
+    return Setup(shard, device, precision, Path(cfg.output.dir)), stats
 
 
-def read_valid_manifest(cfg: JobConfig):
+def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
+    """The kernel settings refused before the model is built (a pretrained checkpoint's family is
+    known only once its model_index.json is read; apply_kernels checks again then)."""
+    check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
+
+
+def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Schema]:
     """-> (valid items, bad rows, extra columns); refuses the manifest (ManifestError) when its
     columns clash with ours, or when it has bad rows and manifest.on_invalid=error."""
     granularity, max_side = model_limits(cfg.model)
@@ -231,22 +189,56 @@ def read_valid_manifest(cfg: JobConfig):
     return items, bad, extras
 
 
-def plan_job(items, ladder, batch_overhead_rows: float, shard: ShardSpec, costs=None,
-             attention_px: float | None = None) -> tuple[Plan, list[Batch]]:
-    """The plan (with `costs`, measured step times per resolution and bucket, where auto chose the
-    ladder; else the linear model) and this shard's batches of it (split by `row_cost` with
-    `attention_px`)."""
-    plan = make_plan(items, ladder, batch_overhead_rows, costs)
-    mine = shard_batches(plan, shard, batch_overhead_rows, attention_px)
+def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, cfg: JobConfig, items: list[Item],
+                    denoiser: Denoiser, setup: Setup) -> tuple[LadderDecision, ShardPlan]:
+    """A decided ladder and its plan as they are; a pending one calibrated, planned and saved."""
+    if not decision.pending:
+        return decision, planned
+    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, items, denoiser, setup.device)
+    planned = plan_ladder(decision, items, cfg, setup.shard)
+    save_choice(setup.out_dir, decision.costs, decision.fingerprint, decision.auto_report)
+    return decision, planned
+
+
+def plan_ladder(decision: LadderDecision, items: list[Item], cfg: JobConfig, shard: ShardSpec) -> ShardPlan | None:
+    """The plan on a decided ladder (None while it is pending: step 7 plans then), with the costs
+    auto measured or else the linear model, and this shard's batches of it (split by `row_cost`,
+    with attention's share from the model's config)."""
+    if decision.pending:
+        return None
+    overhead = cfg.bcg.batch_overhead_rows
+    plan = make_plan(items, decision.ladder, overhead, decision.costs)
+    mine = shard_batches(plan, shard, overhead, attention_pixels(cfg.model) if shard.count > 1 else None)
     log.info(
         "plan: %d images in %d batches over %d resolutions, ladder %s, %d padded rows%s",
         plan.items, len(plan.batches), len(plan.resolutions()), list(plan.ladder), plan.padded_rows,
         f"; {shard.name} runs {len(mine)} batches" if shard.count > 1 else "",
     )
-    return plan, mine
+    return ShardPlan(plan, mine)
 
 
-def engine_factory(cfg: JobConfig, ladder, device: torch.device):
+def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
+    if bad:
+        atomic_write_table(out_dir / ERRORS, errors_table(bad))
+        log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
+    removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR))
+    if removed:
+        log.info("removed %d temporary files left by a process that died", removed)
+
+
+def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None) -> Built:
+    """The model (unless the caller built it), its kernels (`kernels`), and its denoiser."""
+    adapter = adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype])
+    resolutions = sorted({(it.height, it.width) for it in items})
+    compiled_before = compile_stats()
+    kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
+                            texts=manifest_texts(items))
+    denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
+    fields = job_fields(cfg, adapter.name, denoiser.sampler_label, setup.precision)
+    return Built(adapter, denoiser, kernels, compiled_before, fields)
+
+
+def engine_factory(cfg: JobConfig, ladder: list[int], device: torch.device) -> Callable[..., BCGEngine]:
     def make(fn, specs) -> BCGEngine:
         b = cfg.bcg
         return BCGEngine(with_attention(fn, cfg.kernels.attention, device.type), specs, ladder, device, enabled=b.enabled,
@@ -263,8 +255,8 @@ def job_fields(cfg: JobConfig, model: str, sampler: str, precision: dict) -> dic
 
 def settings_digest(cfg: JobConfig, precision: dict) -> str:
     """Everything else an image depends on, so a resumed job can tell whether committed images are
-    still its own: the model config, precision, scope, sampler, and kernels other than the default
-    (so outputs written before kernels were configurable still resume)."""
+    still its own: the model config, precision, scope, sampler, and the kernels that differ from the
+    default (so a job with default kernels has one digest whichever kernel options exist)."""
     everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name}
     kernels = output_kernels(cfg.kernels)
     if kernels:
@@ -272,20 +264,27 @@ def settings_digest(cfg: JobConfig, precision: dict) -> str:
     return hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def batches_to_run(out_dir: Path, plan: Plan, mine, fields: dict[str, Any], on_conflict: str, shard: ShardSpec) -> list[Batch]:
+def batches_left(out_dir: Path, planned: ShardPlan, fields: dict[str, Any], on_conflict: str,
+                 shard: ShardSpec) -> list[Batch]:
     """This shard's batches minus those committed earlier; refuses (or, with overwrite, clears)
-    committed batches that no longer match the job."""
+    committed batches that no longer match the job. With batches left the job is reopened."""
     committed = read_committed(out_dir)
-    conflicts = find_conflicts(plan.batches, committed, fields)
+    conflicts = find_conflicts(planned.plan.batches, committed, fields)
     if conflicts and on_conflict == "error":
         raise ResumeConflict(conflict_message(conflicts, out_dir))
     if conflicts:
         log.warning("output.on_conflict=overwrite: regenerating %d committed batches that changed", len(conflicts))
-        remove_batches(out_dir, committed, keys_to_clear(conflicts, plan.batches, mine, shard.index == 0))
+        remove_batches(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0))
+    mine = planned.mine
     done = set(committed.rows) - set(conflicts)
     if done & {b.key for b in mine}:
         log.info("resuming: %d of %d batches already committed", len(done & {b.key for b in mine}), len(mine))
-    return [b for b in mine if b.key not in done]
+    todo = [b for b in mine if b.key not in done]
+    if todo:
+        reopen(out_dir, shard)
+    else:
+        log.info("nothing to do: all %d batches of %s are already committed under %s", len(mine), shard.name, out_dir)
+    return todo
 
 
 def reopen(out_dir: Path, shard: ShardSpec) -> None:
@@ -298,15 +297,81 @@ def reopen(out_dir: Path, shard: ShardSpec) -> None:
             stale.unlink(missing_ok=True)
 
 
-def finish(out_dir: Path, report: dict, shard: ShardSpec) -> None:
+def capture(denoiser: Denoiser, todo: list[Batch], mode: str) -> None:
+    """bcg.capture=plan: a graph per (resolution, bucket) the batches use; ladder: every bucket."""
+    shapes = buckets_by_resolution(todo, denoiser.engine.ladder)
+    denoiser.capture_all(sorted(shapes), shapes if mode == "plan" else None)
+
+
+def generate(built: Built, prompts: PromptCache, todo: list[Batch], extras: pa.Schema, output: OutputConfig,
+             runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
+    """Every batch of `todo` queued on the device and committed by the writer thread."""
+    writer = Writer(out_dir, shard_schema(extras, output.embed_images), output.queue_size, output.png_compress_level,
+                    output.embed_images, output.encode_threads)
+    busy = GpuBusy(built.adapter.device)
+    inflight = Inflight(runtime.inflight_batches)
+    stats.generate_started = time.perf_counter()
+    try:
+        with logging_redirect_tqdm(), tqdm(total=sum(len(b.items) for b in todo), unit="img",
+                                           disable=not runtime.progress) as bar:
+            for batch in todo:
+                bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
+                busy.begin()
+                pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats)
+                busy.end()
+                writer.submit(pending)
+                inflight.admit(pending)
+                bar.update(len(batch.items))
+                stop.check()
+    finally:
+        writer.close()
+        built.denoiser.engine.close()
+    generate_s = time.perf_counter() - stats.generate_started
+    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s))
+
+
+def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, todo: list[Batch], invalid: int,
+                built: Built, ladder: LadderDecision, prompts: PromptCache, generated: Generated,
+                resolved_config: dict[str, Any] | None) -> PartReport:
+    engine, k = built.denoiser.engine, cfg.kernels
+    auto = ladder.auto_report
+    return PartReport(
+        **stats.figures(planned=planned.images, skipped=planned.images - sum(len(b.items) for b in todo), invalid=invalid),
+        shard=ShardInfo(index=setup.shard.index, count=setup.shard.count),
+        ladder=list(engine.ladder),
+        scope=cfg.bcg.scope,
+        sampler=built.denoiser.sampler_label,
+        precision=setup.precision,
+        device=str(setup.device),
+        model=built.adapter.name,
+        bcg=engine.metrics.report(),
+        prompt_cache=PromptCacheCounts(encoded=prompts.encoded, hits=prompts.hits),
+        writer_busy_s=generated.writer_busy_s,
+        gpu_busy=generated.gpu_busy,
+        kernels={**built.kernels, "first_pass_s": round(engine.metrics.first_pass_s, 4),
+                 **(compile_stats(since=built.compiled_before) if k.compile or k.compile_decoder else {})},
+        ladder_auto=None if auto is None else {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
+        versions=library_versions(),
+        config=resolved_config,
+    )
+
+
+def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
+    (out_dir / PARTS_DIR).mkdir(exist_ok=True)
+    report.write(part_path(out_dir, shard.name))
+
+
+def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool) -> None:
     """Merge when every shard is in; otherwise say which are missing. One summary line either way."""
-    images = report["images"]
+    images = report.images
     try:
         merged = merge(out_dir, shard.count)
-        where = f"{out_dir} complete ({SUCCESS} written, {merged['images']['ok']} images ok in all)"
+        where = f"{out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
     except IncompleteError as err:
         where = str(err)
     log.info(
         "summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %.1f s wall; %s",
-        images["ok"], images["failed"], images["skipped"], images["invalid"], report["wall_s"], where,
+        images.ok, images.failed, images.skipped, images.invalid, report.wall_s, where,
     )
+    if contact_sheet:
+        log.info("contact sheet: %s", write_contact_sheet(out_dir))

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from pipeline.errors import UserError
+from pipeline.models.base import Adapter
 from pipeline.transfer import to_device
 
 # prompts (N) -> conditioning tensors by name, each [N, ...]
@@ -118,7 +119,7 @@ def planned_prompts(batches: Iterable) -> list[str]:
     return order
 
 
-def prompt_cache(adapter, batches: list, chunk: int, capacity: int, offload: bool) -> PromptCache:
+def prompt_cache(adapter: Adapter, batches: list, chunk: int, capacity: int, offload: bool) -> PromptCache:
     """The job's prompt cache. With `offload`, every prompt of the plan is encoded now, kept in host
     memory, and the text encoders are released (a later new prompt raises a RuntimeError: the plan
     has none)."""

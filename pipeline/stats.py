@@ -1,4 +1,4 @@
-"""Run-level statistics: counted during the job, written once as stats.json at the end."""
+"""What a job counts and times while it runs; `figures` hands them to its report (pipeline.report)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import torch
+
+from pipeline.report import ImageCounts
 
 STAGES = ("encode", "noise", "denoise", "decode")
 LIBRARIES = ("torch", "diffusers", "transformers", "hydra-core", "omegaconf", "pyarrow", "numpy", "pillow")
@@ -44,9 +47,8 @@ class StageTimer:
 
 @dataclass
 class RunStats:
-    planned: int = 0
-    invalid: int = 0
-    skipped: int = 0  # committed by an earlier run of the same job
+    """The generate phase's counts (the writer thread adds each batch) and the job's clock."""
+
     oom_retries: int = 0
     ok: int = 0
     failed: int = 0
@@ -68,25 +70,26 @@ class RunStats:
         self.per_bucket[str(bucket)] += 1
         self.stage_s.update(stages)
 
-    def to_dict(self) -> dict:
+    def figures(self, planned: int, skipped: int, invalid: int) -> dict[str, Any]:
+        """The counts and times of a `PartReport`, as of now, by field name."""
         now = time.perf_counter()
         generate_s = now - (self.generate_started or now)
-        return {
-            "images": {"planned": self.planned, "ok": self.ok, "failed": self.failed, "skipped": self.skipped,
-                       "invalid": self.invalid},
-            "oom_retries": self.oom_retries,
-            "batches": self.batches,
-            "padded_rows": self.padded_rows,
-            "wall_s": round(now - self.started, 4),
-            "started_at": self.started_at,
-            "ended_at": time.time(),
-            "generate_s": round(generate_s, 4),
-            "images_per_s": per_second(self.ok, generate_s),  # the generate phase, after warm-up
-            "wall_images_per_s": per_second(self.ok, now - self.started),
-            "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
-            "per_resolution": dict(sorted(self.per_resolution.items())),
-            "batches_per_bucket": dict(sorted(self.per_bucket.items(), key=lambda kv: int(kv[0]))),
-        }
+        return dict(
+            images=ImageCounts(planned=planned, ok=self.ok, failed=self.failed, skipped=skipped, invalid=invalid,
+                               generated=self.ok),
+            oom_retries=self.oom_retries,
+            batches=self.batches,
+            padded_rows=self.padded_rows,
+            wall_s=round(now - self.started, 4),
+            started_at=self.started_at,
+            ended_at=time.time(),
+            generate_s=round(generate_s, 4),
+            images_per_s=per_second(self.ok, generate_s),
+            wall_images_per_s=per_second(self.ok, now - self.started),
+            stage_s={k: round(v, 4) for k, v in self.stage_s.items()},
+            per_resolution=dict(sorted(self.per_resolution.items())),
+            batches_per_bucket=dict(sorted(self.per_bucket.items(), key=lambda kv: int(kv[0]))),
+        )
 
 
 def per_second(count: int, seconds: float) -> float | None:

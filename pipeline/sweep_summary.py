@@ -21,6 +21,7 @@ import yaml
 from bcg.memory import MIB
 from pipeline.fsutil import atomic_write_bytes, atomic_write_text
 from pipeline.merge import STATS
+from pipeline.report import ReportError, RunReport
 
 OVERRIDES = Path(".hydra") / "overrides.yaml"
 FILES = {"md": "summary.md", "csv": "summary.csv", "png": "summary.png"}
@@ -29,63 +30,51 @@ UNLABELLED = ("job", "manifest.path", "output.dir")
 FIELDS = (
     "best", "job", "status", "ladder", "scope", "images_ok", "images_per_s", "generate_s", "wall_s",
     "padded_rows", "graph_pool_mib", "capture_s", "gpu_busy",
-)  # then one `<stage>_s` column per stage in stats["stage_s"], then `note`
+)  # then one `<stage>_s` column per stage in the report's stage_s, then `note`
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory under `sweep_dir` (a directory holding `.hydra/overrides.yaml`;
     Hydra nests it when an override has a `/`, as `bcg/ladder=...` does). A job without a readable
-    stats.json is a row with status "failed"; a key missing from stats.json is a None cell."""
+    stats.json (missing, or not a report this version reads) is a row with status "failed" and the
+    reason as its note."""
     job_dirs = sorted(p.parent.parent for p in Path(sweep_dir).rglob(str(OVERRIDES)))
     labels = job_labels(sweep_dir, job_dirs)
     rows = []
     for job_dir in job_dirs:
-        stats, note = read_stats(job_dir / STATS)
-        row = stats_row(stats) if stats is not None else dict.fromkeys(FIELDS)
-        row.update(job=labels[job_dir], status="ok" if stats is not None else "failed", note=note)
+        report, note = read_report(job_dir / STATS)
+        row = report_row(report) if report is not None else dict.fromkeys(FIELDS)
+        row.update(job=labels[job_dir], status="ok" if report is not None else "failed", note=note)
         rows.append(row)
     return rows
 
 
-def read_stats(path: Path) -> tuple[dict | None, str]:
+def read_report(path: Path) -> tuple[RunReport | None, str]:
     if not path.exists():
         return None, f"no {STATS}"
     try:
-        stats = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        return None, f"{STATS} unreadable: {err}"
-    if not isinstance(stats, dict):
-        return None, f"{STATS} is not a JSON object"
-    return stats, ""
+        return RunReport.read(path), ""
+    except ReportError as err:
+        return None, str(err)
 
 
-def stats_row(stats: dict) -> dict[str, Any]:
-    """The summary's cells from one job's stats.json: None where a key is missing."""
-    bcg = stats.get("bcg") or {}
-    pool = bcg.get("pool_bytes", bcg.get("pool_bytes_max"))  # a merged sharded run has only the max
-    ladder = stats.get("ladder")
+def report_row(report: RunReport) -> dict[str, Any]:
+    """The summary's cells from one job's stats.json."""
     row = {
         "best": None,
-        "ladder": ",".join(str(b) for b in ladder) if isinstance(ladder, list) else ladder,
-        "scope": stats.get("scope"),
-        "images_ok": (stats.get("images") or {}).get("ok"),
-        "images_per_s": stats.get("images_per_s"),
-        "generate_s": stats.get("generate_s"),
-        "wall_s": stats.get("wall_s"),
-        "padded_rows": stats.get("padded_rows"),
-        "graph_pool_mib": round(pool / MIB, 2) if isinstance(pool, (int, float)) else None,
-        "capture_s": bcg.get("capture_s"),
-        "gpu_busy": busy_fraction(stats.get("gpu_busy")),
+        "ladder": ",".join(str(b) for b in report.ladder),
+        "scope": report.scope,
+        "images_ok": report.images.ok,
+        "images_per_s": report.images_per_s,
+        "generate_s": report.generate_s,
+        "wall_s": report.wall_s,
+        "padded_rows": report.padded_rows,
+        "graph_pool_mib": round(report.bcg.largest_pool_bytes / MIB, 2),
+        "capture_s": report.bcg.capture_s,
+        "gpu_busy": None if report.gpu_busy is None else report.gpu_busy.fraction,
     }
-    row.update({f"{stage}_s": s for stage, s in (stats.get("stage_s") or {}).items()})
+    row.update({f"{stage}_s": s for stage, s in report.stage_s.items()})
     return row
-
-
-def busy_fraction(gpu_busy: Any) -> float | None:
-    """stats["gpu_busy"] is {"fraction": ..., ...} (None off CUDA); a bare number is taken as is."""
-    if isinstance(gpu_busy, dict):
-        gpu_busy = gpu_busy.get("fraction")
-    return gpu_busy if isinstance(gpu_busy, (int, float)) else None
 
 
 def job_labels(sweep_dir: Path, job_dirs: list[Path]) -> dict[Path, str]:
@@ -147,7 +136,7 @@ def to_markdown(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 
 def to_csv(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    """Numbers exactly as in stats.json (no rounding), empty cells for missing keys."""
+    """Numbers exactly as in stats.json (no rounding), empty cells where a job has none (a failed job)."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
     writer.writeheader()

@@ -14,9 +14,10 @@ from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.manifest import ManifestError
 from pipeline.models.pixart import PixArtAdapter
+from pipeline.report import SCHEMA_VERSION, PartReport, RunReport
 
 # Alone (bucket 1) versus in a batch of 4 (bucket 4), fp32 on the CPU: different matmul shapes may
-# round differently. Measured: 0 levels; the documented bound is 1 level of 255 per pixel.
+# round differently; the documented bound is 1 level of 255 per pixel.
 ALONE_VS_BATCH_MAX_LEVELS = 1
 
 
@@ -44,6 +45,8 @@ def test_demo_manifest_gives_every_image_row_and_stat(demo_run):
         assert (row["prompt"], row["seed"], row["style"], row["status"]) == (r["prompt"], r["seed"], r["style"], "ok")
         assert row["path"] == f"images/{r['id']}.png" and row["bucket"] >= 1 and row["time_denoise_s"] > 0
     stats = json.loads((out / "stats.json").read_text())
+    assert next(iter(stats)) == "schema" and stats["schema"] == SCHEMA_VERSION
+    assert RunReport.read(out / "stats.json").shards[0].images == PartReport.from_dict(report, "run's report").images
     assert stats["images"] == {"planned": 12, "ok": 12, "failed": 0, "skipped": 0, "invalid": 0, "generated": 12}
     assert sum(stats["per_resolution"].values()) == 12
     assert stats["batches"] == sum(stats["batches_per_bucket"].values()) == len({r["batch_key"] for r in shard_rows})

@@ -70,8 +70,8 @@ def test_attention_weighs_large_rows_more_so_the_split_moves():
 
 
 def test_pixart_sigmas_config_predicts_the_measured_cost_of_a_large_row(tmp_path):
-    """The H200 ran PixArt-Sigma's step at 230.7 ms for 8 prompts at 1024 px and 88.0 ms for 16 at
-    512 px (docs/BENCHMARKS.md): a 1024 px row costs 5.2x a 512 px one, where pixels alone say 4x."""
+    """With attention's share, PixArt-Sigma's config weighs a 1024 px row at about 5.5 times a 512 px
+    row (docs/BENCHMARKS.md holds the measured ratio), where pixels alone say 4."""
     from conftest import cpu_job
     from pipeline.models import attention_pixels
     from pipeline.sharding import row_cost

@@ -13,22 +13,17 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import rows, run_cli, write_manifest
+from reports import run_report
 from pipeline.callbacks import SweepSummary
+from pipeline.report import RunReport
 from pipeline.sweep_summary import FILES, collect, write_summary
 
 COMMON = ["+job=dataset", "manifest.path=/data/p.parquet", "precision=fp32"]
 
 
 def full_stats(ladder: list[int], images_per_s: float, pool_bytes: int) -> dict:
-    """The keys the summary reads, shaped as pipeline.job writes them (values made up)."""
-    return {
-        "images": {"planned": 12, "ok": 12, "failed": 0, "skipped": 0, "invalid": 0},
-        "padded_rows": 3, "wall_s": 4.25, "generate_s": 2.5, "images_per_s": images_per_s,
-        "stage_s": {"encode": 0.125, "noise": 0.01, "denoise": 1.75, "decode": 0.5},
-        "ladder": ladder, "scope": "forward",
-        "bcg": {"active": True, "pool_bytes": pool_bytes, "capture_s": 0.75, "graphs_captured": 8},
-        "gpu_busy": {"fraction": 0.93, "generate_s": 2.5, "batches": 5},
-    }
+    """A one-process job's stats.json, as pipeline.merge writes it (values made up)."""
+    return run_report(ladder=tuple(ladder), images_per_s=images_per_s, pool_bytes=pool_bytes).to_dict()
 
 
 def make_job(sweep: Path, subdir: str, overrides: list[str], stats: dict | None) -> Path:
@@ -48,7 +43,9 @@ def sweep(tmp_path) -> Path:
     make_job(s, "1_+job=dataset,bcg/ladder=pow2_16", [*COMMON, "bcg/ladder=pow2_16"], full_stats([1, 2, 4, 8, 16], 40.25, 5 * 2**20))
     make_job(s, "2_+job=dataset,bcg/ladder=one_8", [*COMMON, "bcg/ladder=one_8"], None)  # failed before stats.json
     make_job(s, "3_+job=dataset,bcg.enabled=false", [*COMMON, "bcg.enabled=false"],
-             {"images": {"ok": 12}, "images_per_s": 12.0, "ladder": [1, 2, 4, 8]})  # an older stats.json: few keys
+             run_report(images_per_s=12.0, pool_bytes=0, gpu=False).to_dict())
+    make_job(s, "4_+job=dataset,bcg.scope=step", [*COMMON, "bcg.scope=step"],
+             {"images": {"ok": 12}, "images_per_s": 12.5, "ladder": [1, 2, 4, 8]})  # written before the schema field
     return s
 
 
@@ -59,11 +56,19 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 def test_collect_labels_each_job_by_what_sets_it_apart(sweep):
     by_job = {r["job"]: r for r in collect(sweep)}
-    assert sorted(by_job) == ["bcg.enabled=false", "bcg/ladder=one_8", "bcg/ladder=pow2_16", "bcg/ladder=pow2_8"]
+    assert sorted(by_job) == ["bcg.enabled=false", "bcg.scope=step", "bcg/ladder=one_8", "bcg/ladder=pow2_16",
+                              "bcg/ladder=pow2_8"]
     assert by_job["bcg/ladder=one_8"]["status"] == "failed" and by_job["bcg/ladder=one_8"]["note"] == "no stats.json"
-    sparse = by_job["bcg.enabled=false"]
-    assert sparse["status"] == "ok" and sparse["graph_pool_mib"] is None and sparse["gpu_busy"] is None
+    eager = by_job["bcg.enabled=false"]
+    assert eager["status"] == "ok" and eager["graph_pool_mib"] == 0 and eager["gpu_busy"] is None
     assert by_job["bcg/ladder=pow2_8"]["graph_pool_mib"] == 3.0 and by_job["bcg/ladder=pow2_8"]["denoise_s"] == 1.75
+
+
+def test_a_stats_json_without_schema_is_a_failed_row_that_says_why(sweep):
+    old = next(r for r in collect(sweep) if r["job"] == "bcg.scope=step")
+    assert old["status"] == "failed" and old["images_per_s"] is None
+    assert "no `schema` field" in old["note"] and "reads schema [1]" in old["note"]
+    assert str(sweep / "4_+job=dataset,bcg.scope=step" / "stats.json") in old["note"]
 
 
 def test_a_single_job_keeps_its_overrides_and_a_job_without_any_its_directory(tmp_path):
@@ -77,25 +82,25 @@ def test_csv_holds_the_numbers_of_each_stats_json_fastest_first(sweep):
     paths = write_summary(collect(sweep), sweep)
     assert paths == {kind: sweep / name for kind, name in FILES.items()}
     table = read_csv(paths["csv"])
-    assert [r["job"] for r in table] == ["bcg/ladder=pow2_16", "bcg/ladder=pow2_8", "bcg.enabled=false", "bcg/ladder=one_8"]
-    assert [r["best"] for r in table] == ["best", "", "", ""]
+    assert [r["job"] for r in table] == ["bcg/ladder=pow2_16", "bcg/ladder=pow2_8", "bcg.enabled=false",
+                                         "bcg/ladder=one_8", "bcg.scope=step"]
+    assert [r["best"] for r in table] == ["best", "", "", "", ""]
     for r in table[:3]:
-        stats = json.loads((next(sweep.glob(f"*{r['job']}")) / "stats.json").read_text())
-        assert float(r["images_per_s"]) == stats["images_per_s"]
-        assert int(r["images_ok"]) == stats["images"]["ok"]
-        assert r["ladder"] == ",".join(map(str, stats["ladder"]))
-        assert r["scope"] == stats.get("scope", "")
+        report = RunReport.read(next(sweep.glob(f"*{r['job']}")) / "stats.json")
+        assert float(r["images_per_s"]) == report.images_per_s
+        assert int(r["images_ok"]) == report.images.ok
+        assert r["ladder"] == ",".join(map(str, report.ladder))
+        assert r["scope"] == report.scope
         for key in ("generate_s", "wall_s", "padded_rows"):
-            assert (float(r[key]) if r[key] else None) == stats.get(key)
-        assert (float(r["gpu_busy"]) if r["gpu_busy"] else None) == stats.get("gpu_busy", {}).get("fraction")
-        for stage, seconds in stats.get("stage_s", {}).items():
+            assert float(r[key]) == getattr(report, key)
+        assert (float(r["gpu_busy"]) if r["gpu_busy"] else None) == (report.gpu_busy and report.gpu_busy.fraction)
+        for stage, seconds in report.stage_s.items():
             assert float(r[f"{stage}_s"]) == seconds
-        bcg = stats.get("bcg", {})
-        assert (float(r["capture_s"]) if r["capture_s"] else None) == bcg.get("capture_s")
-        pool = bcg.get("pool_bytes")
-        assert (float(r["graph_pool_mib"]) if r["graph_pool_mib"] else None) == (pool and round(pool / 2**20, 2))
-    failed = table[3]
-    assert failed["status"] == "failed" and failed["note"] == "no stats.json" and failed["images_per_s"] == ""
+        assert float(r["capture_s"]) == report.bcg.capture_s
+        assert float(r["graph_pool_mib"]) == round(report.bcg.pool_bytes / 2**20, 2)
+    for failed in table[3:]:
+        assert failed["status"] == "failed" and failed["images_per_s"] == ""
+    assert table[3]["note"] == "no stats.json"
 
 
 def test_markdown_table_has_the_csv_rows_and_the_png_is_an_image(sweep):
@@ -103,7 +108,7 @@ def test_markdown_table_has_the_csv_rows_and_the_png_is_an_image(sweep):
     lines = paths["md"].read_text().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == list(read_csv(paths["csv"])[0])
-    assert set(lines[1].strip("|").split("|")) == {"---"} and len(lines) == 2 + 4
+    assert set(lines[1].strip("|").split("|")) == {"---"} and len(lines) == 2 + 5
     assert "| best | bcg/ladder=pow2_16 | ok |" in lines[2]
     with Image.open(paths["png"]) as image:
         image.verify()
@@ -138,7 +143,7 @@ def test_cli_multirun_over_two_ladders_ends_with_one_summary(tmp_path):
     table = read_csv(sweep / "summary.csv")
     assert sorted(r["job"] for r in table) == ["bcg/ladder=one_8", "bcg/ladder=pow2_8"]
     for r in table:
-        stats = json.loads(next(sweep.glob(f"*{r['job']}*/stats.json")).read_text())
-        assert r["status"] == "ok" and float(r["images_per_s"]) == stats["images_per_s"]
+        report = RunReport.read(next(sweep.glob(f"*{r['job']}*/stats.json")))
+        assert r["status"] == "ok" and float(r["images_per_s"]) == report.images_per_s
     log = proc.stdout + proc.stderr
     assert str(sweep / "summary.png") in log and "| best | " in log

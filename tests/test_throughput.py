@@ -1,4 +1,4 @@
-"""Issue 8's job-level features on the CPU: bcg.ladder=auto (calibrate, choose, save, reuse) and
+"""Job-level throughput features on the CPU: bcg.ladder=auto (calibrate, choose, save, reuse) and
 `+job=bench` against diffusers' own pipeline on the same weights."""
 
 from __future__ import annotations

@@ -1,0 +1,218 @@
+"""The run report as typed records: each process's `parts/shard-*.json` (`PartReport`) and the
+run-level `stats.json` (`RunReport`).
+
+One schema, versioned by its `schema` field (SCHEMA_VERSION). The job writes a part through
+`to_json`; `pipeline.merge` reads the parts back and sums them into the run's report; the sweep
+summary and the bench read through the same types. `from_dict` / `read` check every key and
+value against the dataclasses, so a field added here is written and read by the same line.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from bcg.metrics import EngineReport, EngineTotals
+from pipeline.errors import UserError
+from pipeline.fsutil import atomic_write_text
+
+SCHEMA_VERSION = 1
+READABLE = (SCHEMA_VERSION,)  # the schemas this version reads
+
+R = TypeVar("R", bound="Report")
+
+
+class ReportError(UserError):
+    """A report file this version cannot read; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageCounts:
+    planned: int  # rows in this shard's batches of the plan
+    ok: int  # a part: made by this run; stats.json: committed rows on disk (every run that added to them)
+    failed: int
+    skipped: int  # committed by an earlier run of the same job
+    invalid: int  # bad manifest rows (manifest.on_invalid=skip)
+    generated: int  # made by this run (stats.json: by the last run of each shard)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    index: int
+    count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptCacheCounts:
+    encoded: int
+    hits: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuBusyReport:
+    """Device time on batches (CUDA events; `pipeline.generate.GpuBusy`)."""
+
+    fraction: float  # busy seconds over the generate phase's wall time, the writer's tail included
+    between_batches: float | None  # busy seconds over the device's span from the first batch to the last
+    busy_s: float
+    device_span_s: float
+    generate_s: float
+    batches: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    """One shard's figures in stats.json's `shards`."""
+
+    shard: ShardInfo
+    device: str
+    images: ImageCounts
+    wall_s: float
+    generate_s: float
+    images_per_s: float | None
+    per_resolution: dict[str, int]
+    bcg: EngineReport
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """What a part and stats.json both hold. Rates: `images_per_s` over the generate phase (after
+    warm-up and capture), `wall_images_per_s` over the wall time; None when no time passed."""
+
+    schema: int = SCHEMA_VERSION
+    images: ImageCounts
+    oom_retries: int
+    batches: int
+    padded_rows: int
+    wall_s: float
+    generate_s: float
+    images_per_s: float | None
+    wall_images_per_s: float | None
+    stage_s: dict[str, float]  # encode, noise, denoise, decode: device seconds summed over batches
+    per_resolution: dict[str, int]  # "HxW" -> images
+    batches_per_bucket: dict[str, int]
+    ladder: list[int]
+    scope: str
+    sampler: str
+    precision: dict[str, Any]
+    device: str
+    model: str
+    prompt_cache: PromptCacheCounts
+    writer_busy_s: float
+    gpu_busy: GpuBusyReport | None  # None off CUDA
+    kernels: dict[str, Any]  # what pipeline.kernels applied and observed (open-ended)
+    ladder_auto: dict[str, Any] | None  # bcg.ladder=auto: the calibration, when this run made it
+    versions: dict[str, str]
+    config: dict[str, Any] | None  # the resolved Hydra config
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def write(self, path: Path) -> None:
+        atomic_write_text(Path(path), self.to_json())
+
+    @classmethod
+    def from_dict(cls: type[R], data: Any, source: str) -> R:
+        """`data` (a parsed report) as this type; ReportError naming `source` (the file, or what
+        produced `data`) when its schema is not one this version reads or a key or value is wrong."""
+        check_schema(data, source)
+        return _typed(cls, data, source, "")
+
+    @classmethod
+    def read(cls: type[R], path: Path) -> R:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ReportError(f"{path} cannot be read as a report: {err}") from None
+        return cls.from_dict(data, str(path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartReport(Report):
+    """One process's report (`parts/shard-<i>-of-<n>.json`); what `pipeline.job.run` returns."""
+
+    shard: ShardInfo
+    started_at: float  # wall clock (time.time), to merge shards that ran apart
+    ended_at: float
+    bcg: EngineReport
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunReport(Report):
+    """The run-level stats.json (`pipeline.merge`); see `merge_stats` for how shards combine."""
+
+    bcg: EngineReport | EngineTotals  # one shard: its engine's report; several: the totals
+    shards: list[ShardEntry]
+
+
+def check_schema(data: Any, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ReportError(f"{source} is not a report (a JSON object), but {type(data).__name__}")
+    if "schema" not in data:
+        raise ReportError(f"{source} has no `schema` field: it was written before the report was versioned; this "
+                          f"version reads schema {list(READABLE)}. Run that job again to rewrite it.")
+    found = data["schema"]
+    if found not in READABLE:
+        newer = isinstance(found, int) and found > SCHEMA_VERSION
+        raise ReportError(f"{source} has report schema {found!r}, {'newer than' if newer else 'not one of'} the "
+                          f"schemas this version reads ({list(READABLE)})"
+                          + ("; read it with the version that wrote it" if newer else ""))
+
+
+def _typed(tp: Any, value: Any, source: str, where: str) -> Any:
+    """`value` (parsed JSON) checked against the type `tp` and built into it: dataclasses from
+    objects with exactly their fields, lists and str-keyed dicts item by item, ints taken as floats."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if is_dataclass(tp):
+        return _record(tp, value, source, where)
+    if origin in (Union, types.UnionType):
+        return _union(get_args(tp), value, source, where)
+    if origin is list and isinstance(value, list):
+        (item,) = get_args(tp)
+        return [_typed(item, v, source, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict and isinstance(value, dict):
+        _, item = get_args(tp)
+        return {k: _typed(item, v, source, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and type(value) is tp:
+        return value
+    raise ReportError(f"{source}: `{where}` is {value!r}, not {_name(tp)}")
+
+
+def _record(tp: type, value: Any, source: str, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise ReportError(f"{source}: `{where}` is {value!r}, not an object ({tp.__name__})")
+    names = [f.name for f in fields(tp)]
+    missing, unknown = [n for n in names if n not in value], [k for k in value if k not in names]
+    if missing or unknown:
+        what = "; ".join(part for part in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if part)
+        raise ReportError(f"{source}: {f'`{where}`' if where else 'the report'} ({tp.__name__}) has keys that do not "
+                          f"match this version's: {what}")
+    hints = get_type_hints(tp)
+    return tp(**{n: _typed(hints[n], value[n], source, f"{where}.{n}".lstrip(".")) for n in names})
+
+
+def _union(options: tuple, value: Any, source: str, where: str) -> Any:
+    """`X | None`, or a choice of records told apart by their keys (EngineReport | EngineTotals)."""
+    if value is None and type(None) in options:
+        return None
+    options = tuple(o for o in options if o is not type(None))
+    if len(options) == 1:
+        return _typed(options[0], value, source, where)
+    matching = [o for o in options if isinstance(value, dict) and set(value) == {f.name for f in fields(o)}]
+    if len(matching) != 1:
+        raise ReportError(f"{source}: `{where}` matches none of {[_name(o) for o in options]}")
+    return _record(matching[0], value, source, where)
+
+
+def _name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
