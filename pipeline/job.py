@@ -35,6 +35,7 @@ from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, pa
 from pipeline.models import attention_pixels, build_model, check_items, model_limits
 from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.process_state import job_scope
 from pipeline.prompts import manifest_texts, prompt_cache
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
@@ -53,6 +54,7 @@ def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
     check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
 
 
+@job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter=None) -> dict:
     """Run the job (or this process's shard of it); returns this part's stats. User errors raise
     ValueError subclasses (ManifestError, ResumeConflict, LockedError) before anything is generated;
