@@ -38,6 +38,7 @@ from pipeline.kernels import check_kernels, start_compile_workers
 from pipeline.models import build_model, to_diffusers
 from pipeline.models.base import Adapter
 from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.process_state import job_scope
 from pipeline.report import PartReport
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 
@@ -48,6 +49,7 @@ BASELINE_DIR = "baseline"  # bench.baseline_only: the baseline's images that our
 TEXT_FAMILIES = ("pixart", "sd3")
 
 
+@job_scope()  # the baseline sets precision and builds the model too
 def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
     from pipeline.job import check_job_kernels, read_valid_manifest, run
 

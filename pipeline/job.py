@@ -36,6 +36,7 @@ from pipeline.models import attention_pixels, build_model, check_items, model_li
 from pipeline.models.base import Adapter
 from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
 from pipeline.stats import RunStats, library_versions
@@ -87,6 +88,7 @@ class Generated:
     gpu_busy: GpuBusyReport | None
 
 
+@job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
     parts/shard-*.json holds it (`PartReport.to_dict()`). User errors raise ValueError subclasses

@@ -16,8 +16,9 @@ from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import (CACHE_ENV, FLASH_ATTN_OP, apply_kernels, check_attention, check_kernels, compile_cache,
-                              compile_options, compile_stats, decode_in_chunks, probe_attention, use_flash_attn, with_attention)
+from pipeline.kernels import apply_kernels, check_kernels, compile_cache, compile_stats, decode_in_chunks, with_attention
+from pipeline.kernels.attention import FLASH_ATTN_OP, probe_attention, use_flash_attn
+from pipeline.kernels.compile import CACHE_ENV, compile_options
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -72,9 +73,9 @@ def test_missing_flash_attn_is_named_with_its_extra():
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
     with pytest.raises(UserError, match=r"flash-attn.*\[flash\]"):
-        check_attention("flash_attn", "pixart")
+        check_kernels(KernelsConfig(attention="flash_attn"), "pixart")
     with pytest.raises(UserError, match="kernels.attention='fast'"):
-        check_attention("fast", "pixart")
+        check_kernels(KernelsConfig(attention="fast"), "pixart")
 
 
 def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
@@ -83,10 +84,10 @@ def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
 
 
 def test_fp8_without_compile_says_what_it_costs(tiny, monkeypatch, caplog):
-    import pipeline.kernels as kernels
+    import pipeline.kernels.fp8 as fp8
 
-    monkeypatch.setattr(kernels, "check_fp8", lambda device: None)  # float8 needs sm89+: stand in for it
-    monkeypatch.setattr(kernels, "quantize_fp8", lambda transformer: 0)
+    monkeypatch.setattr(fp8, "check_fp8", lambda device: None)  # float8 needs sm89+: stand in for it
+    monkeypatch.setattr(fp8, "quantize_fp8", lambda transformer: 0)
     with caplog.at_level("WARNING", logger="pipeline.kernels"):
         apply_kernels(KernelsConfig(fp8=True), tiny, None, shapes=1)
     assert "float8 without kernels.compile" in caplog.text

@@ -148,7 +148,7 @@ def test_fused_gelu_is_the_tanh_gelu_and_changes_the_step_by_rounding_only():
         tanh, exact = module(x), torch.nn.functional.gelu(linear)
         wrapper = torch.nn.Module()
         wrapper.ff = module
-        from pipeline.kernels import fuse_gelu
+        from pipeline.kernels.gelu import fuse_gelu
 
         assert fuse_gelu(wrapper) == 1
         fused = module(x)

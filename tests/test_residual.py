@@ -1,4 +1,4 @@
-"""kernels.fuse_residual: PixArt's block with its residual adds inside the matmuls (pipeline/residual.py),
+"""kernels.fuse_residual: PixArt's block with its residual adds inside the matmuls (pipeline/kernels/residual.py),
 on the CPU: the same step as diffusers' block, the same images, one compiled layer norm for every shape,
 and the settings it is refused with."""
 
@@ -12,9 +12,10 @@ from conftest import cpu_job, model_config, png, rows, write_manifest
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import apply_kernels, check_kernels, compile_stats, use_flash_attn
+from pipeline.kernels import apply_kernels, check_kernels, compile_stats
+from pipeline.kernels.attention import use_flash_attn
+from pipeline.kernels.residual import fuse_residual
 from pipeline.models import build_model
-from pipeline.residual import fuse_residual
 from pipeline.resume import ResumeConflict
 from test_kernels import inputs
 

@@ -27,6 +27,8 @@ class Adapter(Protocol):
     vae_scale_factor: int
     scheduler_class: str  # diffusers scheduler class name of the checkpoint
     scheduler_config: dict[str, Any]
+    transformer: torch.nn.Module  # the denoiser, whose kernels pipeline.kernels sets
+    vae: torch.nn.Module
 
     @property
     def device(self) -> torch.device: ...

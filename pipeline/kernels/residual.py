@@ -1,12 +1,12 @@
 """PixArt's transformer block with its residual adds done by the matmuls (`kernels.fuse_residual`).
 
 diffusers' block writes each out-projection's output, then reads it back with the residual stream to
-add `gate * out` (an elementwise pass over [tokens, 1152] per add, three per block). Here cuBLAS adds
+add `gate * out` (an elementwise pass over [tokens, C] per add, three per block). Here cuBLAS adds
 the product into the residual stream itself (`addmm_`, beta = 1: read and written once, in the
 matmul's epilogue), which needs two rewrites of the same math:
 
 - The gate multiplies the out-projection's columns, so it goes into the weight (`W * gate[:, None]`,
-  once per step: 1152 x 1152 or 1152 x 4608 values, not 65,536 x 1152). Every row of a batch is at
+  once per step: [C, C] or [C, 4C] values, not [tokens, C]). Every row of a batch is at
   the same denoising step, so one gate serves them all: the block reads the modulation of row 0.
 - The out-projection's bias is a vector, which the in-place matmul cannot add. It is carried
   instead: the residual stream lacks `pending`, a [C] fp32 vector, and every reader of the stream
@@ -28,15 +28,33 @@ once to bf16, the sums round once instead of after each add.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
+from pipeline.models.base import Adapter
+
+log = logging.getLogger(__name__)
 
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 ConstantsFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
+    """The fused block with eager layer norms (compile_scope=norms compiles them, pipeline.kernels.compile)
+    -> {"fused_residual_blocks": n} when on, else {}."""
+    if not kernels.fuse_residual:
+        return {}
+    blocks = fuse_residual(adapter.transformer)
+    log.info("kernels: the residual adds of %d blocks inside their matmuls", blocks)
+    if not kernels.compile and adapter.device.type == "cuda":
+        log.warning("kernels: fuse_residual without kernels.compile runs its layer norms as separate fp32 ops "
+                    "(more passes, fp32 temporaries); kernels.compile=true kernels.compile_scope=norms fuses them")
+    return {"fused_residual_blocks": blocks}
 
 
 def modulated_norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,10 +86,9 @@ def block_constants(table: torch.Tensor, step: torch.Tensor, pending: torch.Tens
 def compiled_functions(dynamic: bool, options: dict) -> tuple[NormFn, ConstantsFn]:
     """modulated_norm and block_constants compiled with inductor (`options`: torch.compile's mode or
     options). `dynamic`: one compilation of the norm for every row count, the channel count fixed (a
-    symbolic one costs the kernel its one-pass reduction over the row: 1.6x to 1.8x slower on the
-    H200); else
+    symbolic one would cost the kernel its one-pass reduction over the row, docs/BENCHMARKS.md); else
     one per row count. The constants have one shape per model: one compilation, with inductor's
-    defaults (its kernels are tiny: tuning them would cost seconds of compile and save nothing)."""
+    defaults (its kernels are tiny: tuning them would lengthen the compile and save nothing)."""
     compiled = torch.compile(modulated_norm, dynamic=None if dynamic else False, fullgraph=True, **options)
 
     def norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +116,7 @@ class ResidualStream:
 def fuse_residual(transformer: torch.nn.Module, norm: NormFn = modulated_norm,
                   constants: ConstantsFn = block_constants) -> int:
     """Replace the forward of every block of a PixArt transformer (and its final layer norm) as
-    described above; `norm`, `constants`: modulated_norm and block_constants or their compiled forms
+    described above, on those module instances (their classes keep diffusers' forward); `norm`, `constants`: modulated_norm and block_constants or their compiled forms
     -> blocks changed. Refused (naming the module and what is accepted) where the block is not the one
     this reproduces."""
     blocks = list(getattr(transformer, "transformer_blocks", []))

@@ -1,0 +1,161 @@
+"""Which kernels the denoiser runs: one module per option, each with its own `check` (what it refuses
+without a model) where it has one, and `apply` (changes one model instance, returns what it reports):
+
+- attention: kernels.attention, the SDPA backend or flash-attn's processor (`probe`: which ran)
+- text: kernels.trim_text_padding
+- qkv: kernels.fuse_qkv
+- gelu: kernels.fuse_gelu
+- residual: kernels.fuse_residual
+- fp8: kernels.fp8
+- compile: kernels.compile and what every compile shares (mode, cache directory, workers, counts)
+- decoder: kernels.compile_decoder, kernels.decode_chunk
+
+Which settings go together is stated once, as data (SUPPORTED_FAMILIES, EXCLUDES, REQUIRES,
+NEEDS_CUDA): `check_kernels` walks those tables, then each module's own check. Every change is made
+to the adapter's own modules (instance attributes, hooks, processors), never to a class; what a job
+changes in the process (dynamo's limits, the cache directory) is put back when it ends
+(pipeline.process_state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from pipeline.config import KernelsConfig
+from pipeline.errors import UserError
+from pipeline.kernels import attention, compile, decoder, fp8, gelu, qkv, residual, text
+from pipeline.kernels.attention import SDPA, with_attention
+from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
+from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
+from pipeline.models.base import Adapter
+
+__all__ = [
+    "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats",
+    "compile_vae_decoder", "decode_in_chunks", "output_kernels", "start_compile_workers", "with_attention",
+]
+
+
+@dataclass(frozen=True)
+class Option:
+    """A kernel setting as the user types it (`kernels.<key>`), whether a config has it, and what
+    to set instead."""
+
+    key: str
+    on: Callable[[KernelsConfig], bool]
+    off: str
+
+
+def switch(name: str) -> Option:
+    """A boolean `kernels.<name>`."""
+    return Option(f"{name}=true", lambda k: getattr(k, name), f"kernels.{name}=false")
+
+
+FLASH_ATTN = Option("attention=flash_attn", lambda k: k.attention == "flash_attn",
+                    f"kernels.attention to auto or one of PyTorch's SDPA backends {list(SDPA)}")
+FUSE_QKV, FUSE_GELU, FUSE_RESIDUAL = switch("fuse_qkv"), switch("fuse_gelu"), switch("fuse_residual")
+FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
+NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
+               "kernels.compile_scope=blocks (or model)")
+
+# option -> (the model families it serves, why: "{families}" and "{family}" filled in).
+SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
+    FLASH_ATTN: (("pixart", "dit"), "its processor is written for the attention of model families {families}, "
+                                    "not {family!r}"),
+    FUSE_QKV: (("pixart", "sd3"), "diffusers fuses the projections of model families {families}, not {family!r}"),
+    FUSE_RESIDUAL: (("pixart",), "the block it rewrites is PixArt's (model families {families}), not {family!r}'s"),
+    TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
+                             "not (its images would change)"),
+}
+
+# (option, option it cannot be combined with, why the first excludes the second)
+RESIDUAL_OWNS_ATTENTION = "computes the attention and folds the gates into bf16/fp16 weights itself"
+EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
+    (FUSE_QKV, FLASH_ATTN, "replaces the attention processor"),
+    (FUSE_RESIDUAL, FUSE_QKV, RESIDUAL_OWNS_ATTENTION),
+    (FUSE_RESIDUAL, FP8, RESIDUAL_OWNS_ATTENTION),
+    (FUSE_RESIDUAL, FLASH_ATTN, RESIDUAL_OWNS_ATTENTION),
+    (FUSE_GELU, FP8, "fuses bf16/fp16 matmuls (float8 weights are neither)"),
+)
+
+# (options that, all on, need another option; why: the config's values filled in, e.g. "{compile_scope}")
+REQUIRES: tuple[tuple[tuple[Option, ...], Option, str], ...] = (
+    ((NORMS,), FUSE_RESIDUAL, "it compiles the layer norms of kernels.fuse_residual's block"),
+    ((FUSE_RESIDUAL, COMPILE), NORMS, "the block adds into its input in place, which compile_scope={compile_scope} "
+                                      "would trace; compile_scope=norms compiles the layer norms, all that is left "
+                                      "to fuse, once"),
+)
+
+# option -> why it runs on CUDA only
+NEEDS_CUDA: dict[Option, str] = {
+    FUSE_GELU: "cuBLASLt's GELU epilogue is the tanh GELU these models use, while PyTorch's CPU version of the "
+               "fused op computes the exact GELU",
+}
+
+# each option's refusals that the tables do not state (values, packages, the device's features)
+CHECKS = (attention.check, compile.check, decoder.check, fp8.check)
+
+
+def check_kernels(kernels: KernelsConfig, family: str | None = None, device: torch.device | None = None) -> None:
+    """What can be refused before the model is built or changed: settings that exclude each other or
+    need another, a setting this family cannot use, one that needs CUDA elsewhere, then each option's
+    own refusals (`family`, `device` None: not known yet)."""
+    for first, second, why in EXCLUDES:
+        if first.on(kernels) and second.on(kernels):
+            raise UserError(f"kernels.{first.key} {why}; it cannot be combined with kernels.{second.key}: "
+                            f"set {first.off} or {second.off}")
+    for together, needed, why in REQUIRES:
+        if all(option.on(kernels) for option in together) and not needed.on(kernels):
+            keys = " with ".join(f"kernels.{option.key}" for option in together)
+            instead = " or ".join(option.off for option in together)
+            raise UserError(f"{keys} needs kernels.{needed.key}: {why.format_map(vars(kernels))}; "
+                            f"set kernels.{needed.key}, or {instead}")
+    if family is not None:
+        for option, (families, why) in SUPPORTED_FAMILIES.items():
+            if option.on(kernels) and family not in families:
+                raise UserError(f"kernels.{option.key}: {why.format(families=list(families), family=family)}; "
+                                f"set {option.off}")
+    if device is not None and torch.device(device).type != "cuda":
+        for option, why in NEEDS_CUDA.items():
+            if option.on(kernels):
+                raise UserError(f"kernels.{option.key} needs CUDA: {why}; set {option.off}")
+    for check in CHECKS:
+        check(kernels, device)
+
+
+def output_kernels(kernels: KernelsConfig) -> dict:
+    """The kernel settings that change images, where they differ from the defaults."""
+    out: dict = {}
+    if kernels.attention != "auto":
+        out["attention"] = kernels.attention
+    for key in ("fuse_qkv", "fp8", "fuse_gelu", "fuse_residual", "trim_text_padding"):  # switches count only when on
+        if getattr(kernels, key):
+            out[key] = True
+    if kernels.compile:
+        out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
+        if kernels.compile_scope != "model":  # keys added later count only away from their default
+            out["compile_scope"] = kernels.compile_scope
+    if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
+        out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, compile_mode=kernels.compile_mode)
+    return out
+
+
+def apply_kernels(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] | None, shapes: int,
+                  texts: Iterable[str] | None = None) -> dict:
+    """Set the kernels of this adapter's modules, in order: the text length (from every prompt the
+    job may encode, `texts`), the attention processor, fused projections, GELU and residual adds;
+    then observe which attention backend serves its calls (one eager CFG forward, 1 row, at
+    `probe_size`); then fp8, then compile (for `shapes` shapes) -> stats.json's `kernels`."""
+    check_kernels(kernels, adapter.family, adapter.device)
+    report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
+    report.update(text.apply(kernels, adapter, texts))
+    for module in (attention, qkv, gelu, residual):
+        report.update(module.apply(kernels, adapter))
+    if probe_size is not None:
+        report.update(attention.probe(kernels, adapter, probe_size))
+    report.update(fp8.apply(kernels, adapter))
+    report.update(compile.apply(kernels, adapter, shapes))
+    report.update(decoder.apply(kernels, adapter, probe_size))
+    return report

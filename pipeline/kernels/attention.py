@@ -1,0 +1,166 @@
+"""kernels.attention: which kernel serves the denoiser's attention calls.
+
+`auto` leaves the choice to PyTorch SDPA; `cudnn | flash | efficient | math` put that SDPA backend
+first (`sdpa_kernel`), the others serving only calls it cannot; `flash_attn` installs
+`FlashAttnProcessor` (flash-attn's kernel, the optional `flash` extra) on the transformer's
+attention modules. What actually ran is observed, not assumed: `probe` records the SDPA ops of one
+eager call and the job reports them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections import Counter
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bcg.buffers import StaticInputs
+from pipeline.config import ATTENTION, KernelsConfig
+from pipeline.errors import UserError
+from pipeline.models.base import Adapter
+
+log = logging.getLogger(__name__)
+
+SDPA = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+# aten ops behind F.scaled_dot_product_attention -> the backend that ran it.
+SDPA_OPS = {
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+FLASH_ATTN_OP = "flash_attn"
+UNSET = ("auto", "flash_attn")  # no SDPA backend to choose: PyTorch's own choice, or not SDPA at all
+
+
+def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+    """A backend that is not accepted, or whose package is missing."""
+    if kernels.attention not in ATTENTION:
+        raise UserError(f"kernels.attention={kernels.attention!r} is not accepted; choose one of {list(ATTENTION)}")
+    if kernels.attention == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        raise UserError(
+            "kernels.attention=flash_attn needs the flash-attn package, which is not installed "
+            "(pip install -e '.[flash]' on a CUDA machine); or choose one of PyTorch's SDPA backends: "
+            f"{list(SDPA)}"
+        )
+
+
+def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
+    """flash-attn's processor on every attention module of this transformer (kernels.attention=
+    flash_attn); an SDPA backend is chosen per call instead (`with_attention`). -> {}"""
+    if kernels.attention == "flash_attn":
+        use_flash_attn(adapter.transformer)
+    return {}
+
+
+def probe(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int]) -> dict:
+    """One eager CFG forward (1 row at `probe_size`) under the chosen backend -> {"attention_calls_per_forward":
+    {backend: calls}}, or what kept it from being observed."""
+    inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)
+    step = with_attention(adapter.guided_eps, kernels.attention, adapter.device.type)
+    try:
+        with torch.no_grad():
+            calls = probe_attention(lambda: step(inputs))
+    except torch.OutOfMemoryError:
+        calls = {"not observed": "out of memory in the probe"}
+        log.warning("kernels: the attention probe ran out of memory; which backend serves attention is not known")
+    log.info("kernels: attention=%s; attention calls per CFG forward by backend: %s", kernels.attention, calls)
+    return {"attention_calls_per_forward": calls}
+
+
+def attention_context(name: str, device_type: str = "cuda"):
+    """The SDPA backends for one call of the denoiser: on CUDA `name` first, the others in PyTorch's
+    order for calls it cannot serve; on the CPU (which ignores priorities) `name` and math only."""
+    if name in UNSET:
+        return nullcontext()
+    first = SDPA[name]
+    if device_type != "cuda":
+        return sdpa_kernel(list(dict.fromkeys([first, SDPBackend.MATH])))
+    return sdpa_kernel([first, *(b for b in SDPA.values() if b != first)], set_priority=True)
+
+
+def with_attention(fn: Callable, name: str, device_type: str = "cuda") -> Callable:
+    """fn, run under `attention_context(name, device_type)`; `fn` itself when nothing needs setting."""
+    if name in UNSET:
+        return fn
+
+    def run(*args, **kwargs):
+        with attention_context(name, device_type):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def probe_attention(call: Callable[[], object]) -> dict[str, int]:
+    """Run `call` once under the profiler -> {backend: SDPA calls it served}. The SDPA op names say
+    which kernel PyTorch chose for every attention call (flash-attn's calls show as `flash_attn`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    counts: Counter[str] = Counter()
+    for event in prof.events():
+        if event.name in SDPA_OPS:
+            counts[SDPA_OPS[event.name]] += 1
+        elif event.name == FlashAttnProcessor.RECORD:
+            counts[FLASH_ATTN_OP] += 1
+    return dict(sorted(counts.items()))
+
+
+class FlashAttnProcessor:
+    """diffusers' AttnProcessor2_0 (PixArt's and DiT's attention) with flash-attn's kernel for every
+    call without a mask. A masked call (PixArt's cross-attention over padded prompt tokens) has no
+    flash-attn equivalent at fixed shapes and goes to SDPA; `probe_attention` reports both."""
+
+    RECORD = "flash_attn::flash_attn_func"
+
+    def __init__(self, flash_attn_func: Callable | None = None):
+        if flash_attn_func is None:
+            from flash_attn import flash_attn_func
+        self.flash_attn_func = flash_attn_func
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs):
+        if attn.spatial_norm is not None or attn.group_norm is not None or hidden_states.ndim != 3:
+            raise NotImplementedError("FlashAttnProcessor handles token attention only (PixArt, DiT)")
+        residual = hidden_states
+        b = hidden_states.shape[0]
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if encoder_hidden_states is not None and attn.norm_cross:
+            context = attn.norm_encoder_hidden_states(context)
+        query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        head_dim = key.shape[-1] // attn.heads
+        # flash-attn's layout is [B, N, heads, head_dim]; SDPA's is [B, heads, N, head_dim].
+        query, key, value = (t.view(b, -1, attn.heads, head_dim) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query.transpose(1, 2)).transpose(1, 2)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key.transpose(1, 2)).transpose(1, 2)
+        if attention_mask is None:
+            with torch.profiler.record_function(self.RECORD):
+                out = self.flash_attn_func(query, key, value, dropout_p=0.0, causal=False)
+        else:
+            mask = attn.prepare_attention_mask(attention_mask, context.shape[1], b)
+            mask = mask.view(b, attn.heads, -1, mask.shape[-1])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+            ).transpose(1, 2)
+        out = attn.to_out[1](attn.to_out[0](out.reshape(b, -1, attn.heads * head_dim).to(query.dtype)))
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+def use_flash_attn(transformer: torch.nn.Module, flash_attn_func: Callable | None = None) -> None:
+    """FlashAttnProcessor on every attention module of this transformer instance."""
+    transformer.set_attn_processor(FlashAttnProcessor(flash_attn_func))

@@ -1,0 +1,84 @@
+"""kernels.compile_decoder: the VAE decoder compiled with inductor (under kernels.compile_mode), one
+compilation for every resolution, and latents decoded `kernels.decode_chunk` at a time (the last
+chunk padded) so that the decoder always sees the same batch. Images differ from eager by rounding."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from pipeline.config import KernelsConfig
+from pipeline.errors import UserError
+from pipeline.kernels.compile import compile_options
+from pipeline.models.base import Adapter
+
+log = logging.getLogger(__name__)
+
+
+def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+    if kernels.compile_decoder and kernels.decode_chunk < 1:
+        raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
+
+
+def apply(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] | None) -> dict:
+    """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}."""
+    if not kernels.compile_decoder:
+        return {}
+    seconds = compile_decoder(adapter, kernels.compile_mode, kernels.decode_chunk, probe_size)
+    log.info("kernels: VAE decoder compiled with inductor (mode=%s), %d latents per call; first pass %.1f s",
+             kernels.compile_mode, kernels.decode_chunk, seconds)
+    return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
+
+
+def compile_decoder(adapter: Adapter, mode: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
+    """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through
+    `decode_in_chunks` from now on (the adapter instance's `decode`); with `probe_size`, decode one
+    chunk of zeros there so that the compile happens now, at warm-up, not in the first batch ->
+    seconds that took."""
+    compile_vae_decoder(adapter.vae.decoder, mode)
+    decode = adapter.decode
+    adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
+    if probe_size is None:
+        return 0.0
+    start = time.perf_counter()
+    zeros = torch.zeros(1, *adapter.latent_shape(*probe_size), dtype=adapter.dtype, device=adapter.device)
+    with torch.no_grad():
+        adapter.decode(zeros)
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    return time.perf_counter() - start
+
+
+def compile_vae_decoder(decoder: torch.nn.Module, mode: str) -> None:
+    """Compile the decoder's forward with symbolic height and width and a static batch (the caller
+    decodes a fixed chunk: `decode_in_chunks`), so one graph serves every resolution. The batch is
+    marked static on the tensor the compiled code receives, and duck sizing is off while dynamo
+    traces: it would give a square latent's two sides one symbol, so a non-square one recompiles.
+    The compiled forward is this decoder instance's; its class keeps its own."""
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+
+    compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(mode))
+
+    def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        torch._dynamo.mark_static(sample, 0)
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(sample, *args, **kwargs)
+
+    decoder.forward = forward
+
+
+def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`decode` over `chunk` latents at a time, the last chunk padded with copies of its last row and
+    the padding's images dropped: the decoder always sees the same batch."""
+    images = []
+    for first in range(0, latents.shape[0], chunk):
+        part = latents[first:first + chunk]
+        rows = part.shape[0]
+        if rows < chunk:
+            part = torch.cat([part, part[-1:].expand(chunk - rows, *part.shape[1:])])
+        images.append(decode(part)[:rows])
+    return torch.cat(images)

@@ -1,0 +1,123 @@
+"""What a job changes in its process, put back when it ends (`job_scope`), so that the jobs of a
+Hydra sweep in one process behave as each would alone and a caller finds torch as it left it.
+
+A job sets torch's numerics flags (pipeline.precision), dynamo's recompile limits (a compile),
+environment variables (the Hugging Face offline flags for a local checkpoint, inductor's cache
+directory), seeds the CPU generator (random weights), makes its GPU the current CUDA device, and
+leaves its compiled code in dynamo's caches, where a later model of the same classes passes the
+guards: it would run the first job's compilation and report none of its own. Changes to a model
+need no undoing: they are made to that model's instances (pipeline.kernels).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch._dynamo
+import torch._dynamo.config
+import torch._inductor.config
+
+# Where torch (2.9 and later) keeps its per-backend fp32 precision; setting allow_tf32 or the float32
+# matmul precision changes them, and setting those back does not change them all back.
+FP32_PRECISION_OWNERS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
+                         "mkldnn.conv", "mkldnn.rnn")
+CONFIGS = (torch._dynamo.config, torch._inductor.config)
+
+
+@contextmanager
+def job_scope() -> Iterator[None]:
+    """Run the block (one job) with everything above saved on entry and restored on exit, also when
+    it raises. Usable as a decorator: `@job_scope()`."""
+    with ExitStack() as stack:
+        stack.enter_context(saved_environ())
+        stack.enter_context(saved_numerics())
+        for config in CONFIGS:
+            stack.enter_context(saved_config(config))
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator; CUDA's are seeded per job
+        stack.enter_context(saved_cuda_device())
+        stack.enter_context(dropped_compilations())
+        yield
+
+
+@contextmanager
+def saved_environ() -> Iterator[None]:
+    """os.environ as it was when the block began, once it ends: variables set in it removed, changed
+    ones put back."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in [name for name in os.environ if name not in saved]:
+            del os.environ[name]
+        for name, value in saved.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+def _fp32_precision_owners() -> list[Any]:
+    owners = []
+    for path in FP32_PRECISION_OWNERS:
+        owner = operator.attrgetter(path)(torch.backends) if path else torch.backends
+        if hasattr(owner, "fp32_precision"):
+            owners.append(owner)
+    return owners
+
+
+@contextmanager
+def saved_numerics() -> Iterator[None]:
+    """TF32 (cuBLAS, cuDNN), cuDNN's benchmark mode and the float32 matmul precision as they were.
+    Set back through the same calls pipeline.precision uses, then each fp32_precision that differs
+    (torch refuses a read of allow_tf32 after a mix of the two APIs that disagree)."""
+    b = torch.backends
+    matmul_tf32, cudnn_tf32, benchmark = b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark
+    matmul_precision = torch.get_float32_matmul_precision()
+    precisions = [(owner, owner.fp32_precision) for owner in _fp32_precision_owners()]
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul_precision)
+        b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark = matmul_tf32, cudnn_tf32, benchmark
+        for owner, value in precisions:
+            if owner.fp32_precision != value:
+                owner.fp32_precision = value
+
+
+@contextmanager
+def saved_config(config) -> Iterator[None]:
+    """A torch config module (torch._dynamo.config, torch._inductor.config) as it was: every value
+    that changed in the block set back (torch's own get_config_copy and load_config)."""
+    saved = config.get_config_copy()
+    try:
+        yield
+    finally:
+        now = config.get_config_copy()
+        config.load_config({key: value for key, value in saved.items() if now.get(key) != value})
+
+
+@contextmanager
+def saved_cuda_device() -> Iterator[None]:
+    """The current CUDA device as it was (device 0 where CUDA was not yet initialised)."""
+    before = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    try:
+        yield
+    finally:
+        if torch.cuda.is_initialized() and torch.cuda.current_device() != before:
+            torch.cuda.set_device(before)
+
+
+@contextmanager
+def dropped_compilations() -> Iterator[None]:
+    """dynamo's caches emptied at the end (`torch._dynamo.reset`) when the block compiled a graph:
+    the next job's models compile for themselves."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    try:
+        yield
+    finally:
+        if counters["stats"]["unique_graphs"] != before:
+            torch._dynamo.reset()
