@@ -114,8 +114,6 @@ def check_key(o: Override, keys: dict[str, Any], known: Sequence[str], schema) -
         return
     if key not in keys:
         raise unknown("config key", key, known)
-    if o.is_add():
-        raise UserError(f"+{key}: {key} is already in the config; set it without the +")
     for value in values(o):
         try:
             OmegaConf.update(schema, key, value, merge=True)

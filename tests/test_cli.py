@@ -48,6 +48,9 @@ def imported(proc: subprocess.CompletedProcess) -> set[str]:
     ("bcg/ladderr=pow2_8", "unknown config group 'bcg/ladderr'; did you mean 'bcg/ladder'?"),
     ("+job=dem", "unknown option 'dem' for job; did you mean 'demo'?"),
     ("sampler.steps=many", "sampler.steps='many' is not accepted; expected an integer"),
+    ("+sampler.steps=3", "Could not append to config. An item is already at 'sampler.steps'. Either remove + "
+                         "prefix: 'sampler.steps=3' Or add a second + to add or override 'sampler.steps': "
+                         "'++sampler.steps=3'"),  # Hydra's own message, on one line
 ])
 def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override, message):
     proc = run_cli("+job=dataset", "manifest.path=m.parquet", override, cwd=tmp_path)
@@ -61,7 +64,6 @@ def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override,
     ("runtime.progress=maybe", "expected true or false"),
     ("bcg.auto_sizes=[1,x]", "expected a list of integers"),
     ("shard.index=0,one", "shard.index='one' is not accepted; expected an integer"),  # each value of a sweep
-    ("+sampler.steps=3", "sampler.steps is already in the config; set it without the +"),
 ])
 def test_a_value_of_the_wrong_type_names_the_key_and_the_type(override, expected):
     with pytest.raises(ValueError, match=re.escape(expected)):
