@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Cron wrapper for the nightly dataset job. Run it again after a crash: it resumes the same day's
 # output.dir. Two runs on the same output.dir at once: the second exits 2, naming the holder.
-#   crontab: 0 1 * * *  cd /path/to/repo && jobs/nightly.sh manifest.path=/data/prompts.parquet >> outputs/nightly.log 2>&1
+# Relative paths (manifest.path, output.dir, the default outputs/nightly/<date>) are relative to the
+# directory it is started in; it runs this checkout's package, installed or not.
+#   crontab: 0 1 * * *  cd /data/nightly && /path/to/repo/jobs/nightly.sh manifest.path=prompts.parquet >> nightly.log 2>&1
 # Extra arguments are Hydra overrides (e.g. output.dir=..., hydra/launcher=slurm ...).
-# Exit status: 0 done; 2 bad input or locked; 3 write failure; 130/143 interrupted; other: failure.
+# Exit status: the CLI's (`python3 -m pipeline.run --help` lists them).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-python3 -m pipeline.run +job=nightly "$@"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python3 -m pipeline.run +job=nightly "$@"
 status=$?
 echo "nightly $(date '+%Y-%m-%d %H:%M:%S'): exit $status"
 exit $status

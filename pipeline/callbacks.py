@@ -1,5 +1,8 @@
 """Hydra callbacks: at the end of a multirun over shards, merge them into one run; at the end of
-any other multirun, summarise its jobs in the sweep directory."""
+any other multirun, summarise its jobs in the sweep directory.
+
+Hydra builds them before the first job starts, so their own modules (which import torch) are
+imported only when a multirun ends: a mistake in the command is reported before any heavy import."""
 
 from __future__ import annotations
 
@@ -9,10 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
-
-from pipeline.merge import IncompleteError, merge
-from pipeline.sweep_summary import collect, write_summary
+from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,10 @@ class MergeShards(Callback):
     _SUCCESS once every shard is complete, or say which shards are missing."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if config.shard.count <= 1 or OmegaConf.is_interpolation(config.output, "dir"):
-            return  # not sharded, or no shared output.dir (run.py refuses such a sharded job)
+        if config.shard.count <= 1 or config.output.dir is None:
+            return  # not sharded, or no shared output.dir (such a sharded job is refused at start)
+        from pipeline.merge import IncompleteError, merge
+
         out_dir = Path(config.output.dir)
         try:
             merged = merge(out_dir)
@@ -39,8 +41,10 @@ class SweepSummary(Callback):
     and have no stats of their own, so a sharded multirun is left to MergeShards."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if config.shard.count > 1 and not OmegaConf.is_interpolation(config.output, "dir"):
+        if config.shard.count > 1 and config.output.dir is not None:
             return
+        from pipeline.sweep_summary import collect, write_summary
+
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = collect(sweep_dir)
         if not any(r["status"] == "ok" for r in rows):

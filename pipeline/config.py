@@ -1,20 +1,27 @@
 """Typed configuration, mirrored one-to-one by the `conf/` tree.
 
 The dataclasses are registered in Hydra's ConfigStore as the schema of the primary config, so a
-misspelt key or a value of the wrong type fails at start with Hydra's own message. Below `run(cfg)`
-nothing reads the config object: functions take the values they need as arguments.
+value of the wrong type or a key that no schema has fails at start (the CLI checks the command
+line's overrides first: pipeline/overrides.py). `resolve_job` turns the composed config into the
+job's typed config. Below `run(cfg)` nothing reads the config object: functions take the values
+they need as arguments.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.errors import UserError
+from pipeline.exit_codes import text_table
+from pipeline.paths import absolute, asset, check_writable_dir
 
 
 @dataclass
@@ -129,7 +136,9 @@ class PrecisionConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str = "${hydra:runtime.output_dir}"
+    # null: a new directory per run (outputs/<date>/<time>) or per multirun job (under the sweep dir).
+    # Hydra's own files (.hydra/, run.log) go to this directory in a single run.
+    dir: Optional[str] = None
     format: str = "png"
     png_compress_level: int = 6
     # Store the encoded image in each shard row as {bytes, path} (Hugging Face Image feature layout).
@@ -199,8 +208,57 @@ class JobConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
 
 
+# Keys that name files or directories: relative to where the command ran, made absolute at start.
+PATH_KEYS = ("manifest.path", "model.path", "output.dir", "bench.baseline_from", "kernels.compile_cache_dir")
+
+
+def output_dir_or(default: str, *, _root_: DictConfig) -> str:
+    """`${output_dir_or:...}` (hydra.run.dir): output.dir where it is set, else `default`."""
+    return default if _root_.output.dir is None else _root_.output.dir
+
+
 def register_configs() -> None:
+    """The schema and the resolvers that conf/ uses (`${asset:...}`, `${output_dir_or:...}`,
+    `${exit_codes:}` in the help text)."""
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    OmegaConf.register_new_resolver("asset", asset, replace=True)
+    OmegaConf.register_new_resolver("output_dir_or", output_dir_or, replace=True)
+    OmegaConf.register_new_resolver("exit_codes", text_table, replace=True)
+
+
+def resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.PathLike) -> JobConfig:
+    """The composed config (without its `hydra` node) as the job's typed config, checked. Fills in
+    `cfg` itself, so that the recorded config says what ran: output.dir (null: `run_dir`, Hydra's
+    directory for this run) and every path of PATH_KEYS made absolute against `cwd`, where the
+    command ran. Refuses a mandatory key left unset, a value outside its accepted set, and an
+    output.dir that cannot be written."""
+    try:
+        return _resolve_job(cfg, cwd, run_dir)
+    except OmegaConfBaseException as err:  # e.g. output.dir=${oc.env:SCRATCH}/x with SCRATCH unset
+        raise UserError(f"{err.full_key}: {str(err).splitlines()[0]}") from None
+
+
+def _resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.PathLike) -> JobConfig:
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing == ["manifest.path"]:
+        raise UserError("manifest.path is not set: name the Parquet manifest of prompts, e.g. "
+                        "`bcg-datagen +job=dataset manifest.path=prompts.parquet output.dir=outputs/prompts` "
+                        "(or run the demo: `bcg-datagen +job=demo`)")
+    if missing:
+        raise UserError(f"{', '.join(missing)}: not set and no default; pass {missing[0]}=...")
+    if cfg.output.dir is None and cfg.shard.count > 1:
+        raise UserError(f"shard.count={cfg.shard.count} needs output.dir set: every shard writes to the same "
+                        "directory (without it each process gets a directory of its own)")
+    if cfg.output.dir is None:
+        cfg.output.dir = str(run_dir)
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if value is not None:
+            OmegaConf.update(cfg, key, absolute(value, cwd))
+    job = OmegaConf.to_object(cfg)
+    check_choices(job)
+    check_writable_dir("output.dir", Path(job.output.dir))
+    return job
 
 
 ON_INVALID = ("error", "skip")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.exit_codes import ExitCode
 from pipeline.fsutil import TMP_PREFIX
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class Interrupted(RuntimeError):
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}; committed batches are kept, "
                          "run the same command again to finish")
-        self.exit_code = 128 + signum
+        self.exit_code = ExitCode.for_signal(signum)
 
 
 class StopSignals:

@@ -1,55 +1,117 @@
-"""CLI: `python -m pipeline.run +job=dataset manifest.path=... output.dir=...` (Hydra).
+"""CLI: `bcg-datagen +job=dataset manifest.path=... output.dir=...` (or `python -m pipeline.run ...`).
 
-Builds the typed config and hands it to `pipeline.job.run`. User errors (bad manifest, bad option
-value, pool limit, conflicting outputs, output.dir locked) print one message and exit with status
-2, without a traceback; a write failure exits 3; SIGINT/SIGTERM exit 128 + the signal number once
-the current batch is committed.
+`main` checks the command line before Hydra writes anything (unknown keys, groups and options,
+values of the wrong type; in a single run also the composed config: mandatory keys, accepted values,
+a writable output.dir), then hands it to Hydra, whose task function builds the typed config and
+calls `pipeline.job.run`. Torch and diffusers are imported only once all that has passed.
+
+Every outcome a user can act on ends in one line and a status of `pipeline.exit_codes.ExitCode`
+(`--help` lists them); any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import signal
 import sys
+from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.config import register_configs
+from pipeline.config import register_configs, resolve_job
+from pipeline.errors import UserError
+from pipeline.exit_codes import ExitCode
+from pipeline.overrides import check_overrides
+from pipeline.paths import CONF_DIR, absolute, check_writable_dir
 
 log = logging.getLogger("pipeline")
-USER_ERROR_EXIT = 2
-WRITE_ERROR_EXIT = 3
+CONFIG_NAME = "config"
+# An OSError with one of these is the disk's or the permissions' fault, not a bug.
+WRITE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    from pipeline.bench import run_bench  # heavy imports after Hydra has parsed the command line
-    from pipeline.job import run
+def main() -> None:
+    """The console command: check, then run Hydra; user errors and an early Ctrl-C in one line."""
+    try:
+        preflight(sys.argv[1:])
+        run_hydra()
+    except UserError as err:  # before Hydra has set up logging
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(ExitCode.USER_ERROR)
+    except KeyboardInterrupt:  # before the job handles SIGINT itself, or after it has finished
+        from pipeline.guard import Interrupted
 
+        print(f"error: {Interrupted(signal.SIGINT)}", file=sys.stderr)
+        sys.exit(ExitCode.SIGINT)
+
+
+def preflight(argv: list[str]) -> None:
+    """Check the overrides; for a single run also compose the config and check it as the job will,
+    so that a mistake leaves no directory behind."""
+    args = get_args_parser().parse_args(argv)
+    config_dirs = [CONF_DIR] + ([Path(args.config_dir)] if args.config_dir else [])
+    check_overrides(args.overrides, config_dirs)
+    shows_only = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+    if shows_only or args.multirun or args.config_dir or args.config_path or args.experimental_rerun:
+        return  # nothing to run here (or runs composed per job, or configs from elsewhere): the task checks
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="run"):
+            cfg = compose(args.config_name or CONFIG_NAME, overrides=args.overrides, return_hydra_config=True)
+    except HydraException as err:  # e.g. `job=demo` without the `+`: Hydra's message says what to do
+        lines = str(err).splitlines() + (str(err.__cause__).splitlines()[:1] if err.__cause__ else [])
+        raise UserError(" ".join(line.strip() for line in lines if line.strip())) from None
+    cwd = os.getcwd()
+    run_dir = absolute(cfg.hydra.run.dir, cwd)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    job = resolve_job(cfg, cwd, run_dir)
+    if run_dir != job.output.dir:
+        check_writable_dir("hydra.run.dir", Path(run_dir))
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
+def run_hydra(cfg: DictConfig) -> None:
+    """Hydra's task: one job (each job of a multirun), with user errors as one logged line."""
+    runtime = HydraConfig.get().runtime
+    try:
+        job = resolve_job(cfg, runtime.cwd, runtime.output_dir)
+        from pipeline.bench import run_bench  # heavy imports, after the config is checked
+        from pipeline.job import run
+
+        bench = job.bench.baseline or job.bench.baseline_only or job.bench.baseline_from
+        (run_bench if bench else run)(job, OmegaConf.to_container(cfg, resolve=True))
+    except Exception as err:
+        outcome = user_outcome(err)
+        if outcome is None:
+            raise
+        log.error("%s", outcome[1])
+        sys.exit(outcome[0])
+
+
+def user_outcome(err: Exception) -> tuple[ExitCode, str] | None:
+    """(status, the one line to print) for an error the user can act on; None: a bug."""
+    if isinstance(err, UserError):
+        return ExitCode.USER_ERROR, str(err)
     from bcg.errors import BCGConfigError
-    from pipeline.errors import UserError
     from pipeline.guard import Interrupted
     from pipeline.writer import WriteError
 
-    if cfg.shard.count > 1 and OmegaConf.is_interpolation(cfg.output, "dir"):
-        log.error("shard.count=%d needs output.dir set explicitly: every shard writes to the same directory "
-                  "(the default is a new directory per process)", cfg.shard.count)
-        sys.exit(USER_ERROR_EXIT)
-    job = OmegaConf.to_object(cfg)
-    try:
-        bench = job.bench.baseline or job.bench.baseline_only or job.bench.baseline_from
-        (run_bench if bench else run)(job, OmegaConf.to_container(cfg, resolve=True))
-    except (UserError, BCGConfigError) as err:  # the message is the whole report; anything else is a bug
-        log.error("%s", err)
-        sys.exit(USER_ERROR_EXIT)
-    except WriteError as err:  # disk full, permission denied: committed batches are intact
-        log.error("%s; batches committed before it are kept, run the same command again once fixed", err)
-        sys.exit(WRITE_ERROR_EXIT)
-    except Interrupted as err:
-        log.error("%s", err)
-        sys.exit(err.exit_code)
+    if isinstance(err, BCGConfigError):
+        return ExitCode.USER_ERROR, str(err)
+    if isinstance(err, Interrupted):
+        return err.exit_code, str(err)
+    if isinstance(err, WriteError) or (isinstance(err, OSError) and err.errno in WRITE_ERRNOS):
+        return ExitCode.WRITE_ERROR, f"{err}; batches committed before it are kept, run the same command again once fixed"
+    return None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conftest import CONF, job_config, run_cli
+from conftest import CONF, job_config
 from pipeline.config import JobConfig, check_choices
 
 GROUPS = ["model", "sampler", "bcg", "precision", "output", "runtime", "job"]
@@ -62,13 +62,3 @@ def test_capture_choice_is_checked():
     cfg = job_config("bcg.capture=all", "manifest.path=m", "output.dir=o")
     with pytest.raises(ValueError, match=r"bcg.capture='all'.*\['plan', 'ladder'\]"):
         check_choices(cfg)
-
-
-def test_cli_misspelt_key_exits_nonzero_naming_it(tmp_path):
-    proc = run_cli("+job=dataset", "manifest.path=m.parquet", f"output.dir={tmp_path}", "bcg.ladderz=[1]")
-    assert proc.returncode != 0 and "ladderz" in proc.stderr
-
-
-def test_dataset_job_requires_a_manifest_path(tmp_path):
-    proc = run_cli("+job=dataset", f"output.dir={tmp_path}")
-    assert proc.returncode != 0 and "manifest.path" in proc.stderr

@@ -1,0 +1,215 @@
+"""The command line as a user meets it: one line and a documented status for every mistake, paths
+relative to where it runs, --help, Hydra's files inside output.dir, and no heavy import before the
+command is checked. Most run the CLI in a subprocess from a temporary directory."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import REPO, rows, run_cli, write_manifest
+from pipeline.config import resolve_job
+from pipeline.exit_codes import README_BEGIN, README_END, ExitCode
+from pipeline.overrides import check_overrides
+from pipeline import paths
+from pipeline.paths import CONF_DIR, check_writable_dir
+from pipeline.run import user_outcome
+
+TINY_CPU = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", "sampler.steps=2")
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def imported(proc: subprocess.CompletedProcess) -> set[str]:
+    """Top-level packages a `python -X importtime` run imported."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("+sampler.stpes=2", "unknown config key 'sampler.stpes'; did you mean 'sampler.steps'?"),
+    ("sampler.stpes=2", "unknown config key 'sampler.stpes'; did you mean 'sampler.steps'?"),
+    ("+samplr.steps=2", "unknown config key 'samplr.steps'; did you mean 'sampler.steps'?"),
+    ("+outptu.dir=x", "unknown config key 'outptu.dir'; did you mean 'output.dir'?"),
+    ("bcg/ladderr=pow2_8", "unknown config group 'bcg/ladderr'; did you mean 'bcg/ladder'?"),
+    ("+job=dem", "unknown option 'dem' for job; did you mean 'demo'?"),
+    ("sampler.steps=many", "sampler.steps='many' is not accepted; expected an integer"),
+    ("+sampler.steps=3", "Could not append to config. An item is already at 'sampler.steps'. Either remove + "
+                         "prefix: 'sampler.steps=3' Or add a second + to add or override 'sampler.steps': "
+                         "'++sampler.steps=3'"),  # Hydra's own message, on one line
+])
+def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override, message):
+    proc = run_cli("+job=dataset", "manifest.path=m.parquet", override, cwd=tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR
+    assert one_error_line(proc) == f"error: {message}"
+    assert not list(tmp_path.iterdir())  # no run directory left behind
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("bcg.pool_limit_gib=lots", "expected a number or null"),
+    ("runtime.progress=maybe", "expected true or false"),
+    ("bcg.auto_sizes=[1,x]", "expected a list of integers"),
+    ("shard.index=0,one", "shard.index='one' is not accepted; expected an integer"),  # each value of a sweep
+])
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type(override, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check_overrides([override], [CONF_DIR])
+
+
+def test_groups_literals_free_form_keys_and_hydras_settings_are_accepted(tmp_path):
+    proc = run_cli("+job=dataset", "model=tiny", "bcg/ladder=pow2_16", "bcg.ladder=[1,2,4]", "model.arch.transformer.num_layers=3",
+                   "+model.arch.transformer.extra_key=1", "kernels.attention=math", "hydra/launcher=basic",
+                   "hydra.job.chdir=false", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"ladder:\n\s+- 1\n\s+- 2\n\s+- 4\n", proc.stdout) and "extra_key: 1" in proc.stdout
+    check_overrides(["bcg/ladder=pow2_8,one_8", "shard.index=range(2)", "~model.id2label", "++sampler.steps=3"],
+                    [CONF_DIR])  # a sweep's choices, a deletion, a forced set
+
+
+def test_no_arguments_names_manifest_path_with_an_example(tmp_path):
+    proc = run_cli(cwd=tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR
+    line = one_error_line(proc)
+    assert "manifest.path is not set" in line and "+job=dataset manifest.path=" in line and "+job=demo" in line
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused_before_anything_is_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("+job=demo", f"output.dir={blocker / 'out'}", cwd=tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR
+    assert one_error_line(proc) == f"error: output.dir={blocker / 'out'}: {blocker} is not a directory; choose a directory"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write into a read-only directory")
+def test_an_output_dir_without_write_permission_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    proc = run_cli("+job=demo", f"output.dir={locked / 'out'}", cwd=tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR
+    assert "cannot be created" in one_error_line(proc)
+
+
+def test_the_permission_check_names_the_folder_that_is_not_writable(tmp_path, monkeypatch):
+    """The check above where the test runs as root, who may write anywhere: access(2) says no."""
+    monkeypatch.setattr(paths.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"output.dir={tmp_path / 'a/b'} cannot be created ({tmp_path} is not")):
+        check_writable_dir("output.dir", tmp_path / "a/b")
+    with pytest.raises(ValueError, match=re.escape(f"output.dir={tmp_path} is not writable")):
+        check_writable_dir("output.dir", tmp_path)
+    (tmp_path / "a").mkdir()
+    check_writable_dir("output.dir", tmp_path / "a/b")  # created in a writable folder: what lies above it is moot
+
+
+def test_a_failed_write_while_running_is_status_3_and_a_bug_keeps_its_traceback():
+    code, line = user_outcome(PermissionError(errno.EACCES, "Permission denied", "/data/out/parts"))
+    assert code == ExitCode.WRITE_ERROR == 3 and "/data/out/parts" in line and "\n" not in line
+    assert user_outcome(OSError(errno.ENOSPC, "No space left on device"))[0] == ExitCode.WRITE_ERROR
+    assert user_outcome(FileNotFoundError(errno.ENOENT, "No such file")) is None
+    assert user_outcome(KeyError("x")) is None
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "pipeline.run", "+job=demo", "runtime.device=cpu"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # torch is imported only once the command is checked: Ctrl-C while it loads
+        if line.startswith("import time:") and line.rsplit("|", 1)[1].strip().startswith("torch"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    proc.wait(timeout=120)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.read(), rest)
+    assert proc.returncode == ExitCode.SIGINT == 130
+    assert one_error_line(done) == ("error: stopped by SIGINT; committed batches are kept, "
+                                    "run the same command again to finish")
+
+
+def test_readme_lists_exactly_the_exit_codes():
+    """Fails until README.md holds the block that `python -m pipeline.exit_codes` prints."""
+    readme = (REPO / "README.md").read_text()
+    assert README_BEGIN in readme and README_END in readme, (
+        "README.md has no exit-code table: paste the output of `python -m pipeline.exit_codes`")
+    block = readme.split(README_BEGIN, 1)[1].split(README_END, 1)[0]
+    listed = {m for m in re.findall(r"^\|\s*(\d+)\s*\|", block, flags=re.M)}
+    assert listed == {str(int(code)) for code in ExitCode}
+
+
+def test_help_shows_usage_and_groups_not_the_models_architecture(tmp_path):
+    proc = run_cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    for usage in ("bcg-datagen +job=demo", "+job=dataset manifest.path=", "bcg-datagen -m ", "jobs/nightly.sh"):
+        assert usage in text
+    assert re.search(r"^job: bench, dataset, demo, nightly$", text, flags=re.M)
+    assert re.search(r"^model: .*tiny", text, flags=re.M) and re.search(r"^bcg/ladder: ", text, flags=re.M)
+    assert all(re.search(rf"^\s+{int(code)}  ", text, flags=re.M) for code in ExitCode)
+    assert "num_layers" not in text and "caption_channels" not in text
+
+
+@pytest.mark.parametrize("args", [("--help",), ("+job=demo", "+sampler.stpes=2"), ()])
+def test_help_and_a_refused_command_import_neither_torch_nor_diffusers(tmp_path, args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.run", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    heavy = imported(proc) & {"torch", "diffusers", "transformers"}
+    assert "hydra" in imported(proc) and not heavy
+
+
+def test_relative_paths_are_resolved_against_where_the_command_runs(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["+job=nightly", "manifest.path=data/m.parquet"])
+    job = resolve_job(cfg, tmp_path, tmp_path / "unused")
+    today = datetime.date.today().isoformat()
+    assert job.manifest.path == str(tmp_path / "data/m.parquet")
+    assert job.output.dir == str(tmp_path / "outputs/nightly" / today)
+    assert job.kernels.compile_cache_dir == str(tmp_path / "outputs/.inductor-cache")
+    assert cfg.output.dir == job.output.dir  # what the job records in its config
+
+
+def test_without_output_dir_the_job_writes_to_hydras_run_directory(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["+job=dataset", "manifest.path=m.parquet"])
+    assert resolve_job(cfg, tmp_path, tmp_path / "outputs/run").output.dir == str(tmp_path / "outputs/run")
+
+
+@pytest.mark.slow
+def test_nightly_wrapper_runs_in_the_callers_directory(tmp_path):
+    write_manifest(tmp_path / "prompts.parquet", rows(("a", 64, 64, 1)))
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # its python3
+    proc = subprocess.run([str(REPO / "jobs/nightly.sh"), "manifest.path=prompts.parquet", "model=tiny", *TINY_CPU],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "outputs/nightly" / datetime.date.today().isoformat()
+    assert (out / "images/a.png").is_file() and (out / "_SUCCESS").is_file()
+    assert (out / ".hydra/config.yaml").is_file() and (out / "run.log").is_file()  # Hydra's files in output.dir
+    assert "nightly " in proc.stdout and "exit 0" in proc.stdout
+
+
+@pytest.mark.slow
+def test_readmes_first_command_run_twice_resumes_in_one_directory(tmp_path):
+    first = run_cli("+job=demo", *TINY_CPU, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = tmp_path / "outputs/demo"
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"] and [p.name for p in out.parent.iterdir()] == ["demo"]
+    assert len(list((out / "images").glob("*.png"))) == 12 and (out / ".hydra/overrides.yaml").is_file()
+    recorded = json.loads((out / "stats.json").read_text())["config"]
+    assert recorded["output"]["dir"] == str(out) and Path(recorded["manifest"]["path"]).is_file()
+    again = run_cli("+job=demo", *TINY_CPU, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do" in again.stdout + again.stderr and [p.name for p in out.parent.iterdir()] == ["demo"]
