@@ -304,6 +304,8 @@ def check_choices(cfg: JobConfig) -> None:
     ):
         if value not in accepted:
             raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
+    if cfg.output.dir is None:
+        raise UserError("output.dir is not set: name the directory the job writes to, e.g. output.dir=outputs/my-dataset")
     if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
         raise UserError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
     if not 0 <= cfg.output.png_compress_level <= 9:

@@ -28,6 +28,8 @@ class ExitCode(IntEnum):
                      "images that conflict with the job")
     WRITE_ERROR = 3, ("a write failed while the job ran (disk full, permission denied): committed batches "
                       "are kept, run the same command again once fixed")
+    INCOMPLETE = 4, ("`python -m pipeline.merge`: some shards have not committed their part yet (it names them); "
+                     "run it again once they have")
     SIGINT = 130, "stopped by SIGINT (Ctrl-C): committed batches are kept, run the same command again to finish"
     SIGTERM = 143, "stopped by SIGTERM (a scheduler's time limit, `kill`): as for SIGINT"
 

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from bcg.metrics import EngineTotals
 from pipeline.errors import UserError
+from pipeline.exit_codes import ExitCode
 from pipeline.fsutil import atomic_write_text
 from pipeline.report import ImageCounts, PartReport, Report, RunReport, ShardEntry
 from pipeline.stats import per_second
@@ -123,14 +124,14 @@ def main(argv: list[str]) -> int:
     dirs = [a.split("=", 1)[1] for a in argv if a.startswith("output.dir=")]
     if len(dirs) != 1 or len(argv) != 1:
         print("usage: python -m pipeline.merge output.dir=DIR", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     try:
         merged = merge(Path(dirs[0]))
     except IncompleteError as err:
         print(err, file=sys.stderr)
-        return 1
+        return ExitCode.INCOMPLETE
     print(f"merged {len(merged.shards)} shard(s): {asdict(merged.images)} -> {dirs[0]}/{STATS}, {SUCCESS}")
-    return 0
+    return ExitCode.DONE
 
 
 if __name__ == "__main__":

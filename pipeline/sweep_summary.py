@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from bcg.memory import MIB
+from pipeline.exit_codes import ExitCode
 from pipeline.fsutil import atomic_write_bytes, atomic_write_text
 from pipeline.merge import STATS
 from pipeline.report import ReportError, RunReport
@@ -185,15 +186,15 @@ def write_summary(rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print("usage: python -m pipeline.sweep_summary SWEEP_DIR", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     rows = collect(Path(argv[0]))
     if not rows:
         print(f"{argv[0]}: no job directories (none holds {OVERRIDES})", file=sys.stderr)
-        return 1
+        return ExitCode.USER_ERROR
     paths = write_summary(rows, Path(argv[0]))
     print(paths["md"].read_text(), end="")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return ExitCode.DONE
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from conftest import cpu_job, rows, run_benchmark, write_manifest
 from pipeline.job import run
 from pipeline.manifest import Item
+from pipeline.exit_codes import ExitCode
 from pipeline.merge import main as merge_main
 from pipeline.planner import make_plan
 from pipeline.sharding import ShardSpec, batch_cost, shard_batches
@@ -94,7 +95,7 @@ def test_two_shards_in_turn_equal_one_process_and_merge_once_both_are_in(tmp_pat
     sharded = tmp_path / "sharded"
     run(cpu_job(manifest, sharded, "shard.index=1", "shard.count=2"))
     assert not (sharded / "_SUCCESS").exists() and not (sharded / "stats.json").exists()
-    assert merge_main([f"output.dir={sharded}"]) == 1
+    assert merge_main([f"output.dir={sharded}"]) == ExitCode.INCOMPLETE
     assert "1 of 2 shards not complete yet: [0]" in capsys.readouterr().err
     run(cpu_job(manifest, sharded, "shard.index=0", "shard.count=2"))
     assert (sharded / "_SUCCESS").exists()
