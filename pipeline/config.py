@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.errors import UserError
 from pipeline.exit_codes import text_table
+from pipeline.manifest import check_manifest_file
 from pipeline.paths import absolute, asset, check_writable_dir
 
 
@@ -230,8 +231,8 @@ def resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.PathL
     """The composed config (without its `hydra` node) as the job's typed config, checked. Fills in
     `cfg` itself, so that the recorded config says what ran: output.dir (null: `run_dir`, Hydra's
     directory for this run) and every path of PATH_KEYS made absolute against `cwd`, where the
-    command ran. Refuses a mandatory key left unset, a value outside its accepted set, and an
-    output.dir that cannot be written."""
+    command ran. Refuses a mandatory key left unset, a value outside its accepted set, an
+    output.dir that cannot be written, and a manifest.path that is not a readable Parquet manifest."""
     try:
         return _resolve_job(cfg, cwd, run_dir)
     except OmegaConfBaseException as err:  # e.g. output.dir=${oc.env:SCRATCH}/x with SCRATCH unset
@@ -258,6 +259,7 @@ def _resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.Path
     job = OmegaConf.to_object(cfg)
     check_choices(job)
     check_writable_dir("output.dir", Path(job.output.dir))
+    check_manifest_file(job.manifest.path)  # the file's footer: its rows are the job's to check
     return job
 
 

@@ -21,11 +21,20 @@ from bcg.buffers import InputSpec
 from bcg.engine import BCGEngine, Output, ShapeKey
 from pipeline.errors import UserError
 from pipeline.models.base import Adapter
-from pipeline.samplers import SAMPLERS, Sampler, make_sampler
+from pipeline.samplers import SAMPLERS, Sampler, make_sampler, sampler_name_for
 
 SCOPES = ("forward", "step", "loop")
 
 Inputs = dict[str, torch.Tensor]
+
+
+def sampler_label(scope: str, sampler: str, scheduler_class: str) -> str:
+    """What updates the latents (output rows record it): in the step and loop scopes our sampler's
+    name, in forward the diffusers scheduler class; `sampler` "default" is the checkpoint's own
+    (`scheduler_class`). From names alone, so a job knows it before the model is built."""
+    if scope != "forward":
+        return sampler_name_for(scheduler_class) if sampler == "default" else sampler
+    return scheduler_class if sampler == "default" else SAMPLERS[sampler]
 
 
 class Denoiser:
@@ -102,10 +111,7 @@ class Denoiser:
 
     @property
     def sampler_label(self) -> str:
-        """What updates the latents: our sampler's name, or the diffusers scheduler class."""
-        if self.sampler is not None:
-            return self.sampler.name
-        return self.adapter.scheduler_class if self.sampler_name == "default" else SAMPLERS[self.sampler_name]
+        return sampler_label(self.scope, self.sampler_name, self.adapter.scheduler_class)
 
     def _diffusers_scheduler(self):
         """A fresh scheduler per batch: diffusers' schedulers keep per-run state."""

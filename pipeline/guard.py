@@ -1,5 +1,5 @@
-"""What keeps an unattended job safe: one writer per output part, a clean stop on SIGINT/SIGTERM,
-and no stale temporary files from a process that died."""
+"""What keeps an unattended job safe: one writer job per output.dir (one process per shard of it),
+a clean stop on SIGINT/SIGTERM, and no stale temporary files from a process that died."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.fsutil import TMP_PREFIX
+from pipeline.sharding import ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -23,41 +24,106 @@ class LockedError(UserError):
     """Another live process holds the lock; the message says which."""
 
 
-class JobLock:
-    """An exclusive `flock` on `<output.dir>/.lock-<part>`; the file names the holder (pid, host,
-    start time) so a second run can say who holds it. The kernel drops the lock when the holder
-    dies, so a crash never leaves the directory locked."""
+LOCK = ".lock"  # the directory's: held shared by every process of the job that writes it
+GATE = ".lock-gate"  # held for the few calls that check and take LOCK, so that two jobs cannot both see it free
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP)
 
-    def __init__(self, out_dir: Path, part: str):
-        self.path = Path(out_dir) / f".lock-{part}"
-        self._fd: int | None = None
+
+class JobLock:
+    """One writer job per output.dir, one process per shard of it.
+
+    Every process of a job holds `<output.dir>/.lock` shared (`flock`); the first one to take it
+    writes the job's shard.count into it, so a process of a job with another count finds it held
+    by that job and is refused. The check and the take happen under `.lock-gate`, held
+    exclusively for those few calls: two processes that start at once see the same state, so
+    two shards of one job both get in, and of two jobs with different counts only one does.
+    Each process also holds `<output.dir>/.lock-<shard name>` exclusively: a second process of
+    the same shard is refused. The files name their holders (pid, host, start time); the kernel
+    drops a lock when its holder dies, so a crash never leaves the directory locked."""
+
+    def __init__(self, out_dir: Path, shard: ShardSpec):
+        self.out_dir = Path(out_dir)
+        self.shard = shard
+        self.path = self.out_dir / LOCK
+        self.shard_path = self.out_dir / f"{LOCK}-{shard.name}"
+        self._fds: list[int] = []
 
     def __enter__(self) -> "JobLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno in (errno.ENOSYS, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
-                os.close(fd)
-                raise LockedError(f"{self.path.parent}: this file system does not support flock ({err.strerror}), "
-                                  "so two runs could write it at once; use an output.dir on a local or "
-                                  "flock-capable file system") from None
-            if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
-            os.close(fd)
-            raise LockedError(f"{self.path.parent} is being written by {holder} (lock {self.path}); "
-                              "wait for it to finish, or use another output.dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
-        self._fd = fd
+            self._fds.append(self._join_job())
+            fd = _open(self.shard_path)
+            self._fds.append(fd)
+            if not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.out_dir):
+                raise LockedError(f"{self.out_dir} is being written by {_holder(fd)}, which runs {self.shard.name} "
+                                  f"(lock {self.shard_path}); wait for it to finish, or use another output.dir")
+            _record(fd, _whoami())
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
+    def _join_job(self) -> int:
+        """The directory lock, shared with this job's other shards; LockedError if a job with
+        another shard.count holds it."""
+        gate = _open(self.out_dir / GATE)
+        try:
+            _flock(gate, fcntl.LOCK_EX, self.out_dir)  # blocks only while another process is here
+            fd = _open(self.path)
+            try:
+                if _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.out_dir):  # no job holds it: this one is the first
+                    _record(fd, f"shard.count={self.shard.count}: {_whoami()}")
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # a conversion, safe under the gate: nobody can take it meanwhile
+                    return fd
+                holder = _holder(fd)
+                same_job = holder.startswith(f"shard.count={self.shard.count}:")
+                if same_job and _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, self.out_dir):
+                    return fd
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            raise LockedError(f"{self.out_dir} is being written by a job with {holder} (lock {self.path}); this job "
+                              f"has shard.count={self.shard.count}: wait for that job to finish, or use another "
+                              "output.dir")
+        finally:
+            os.close(gate)  # releases the gate
+
     def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # releases the flock; the file stays, naming the last holder
-            self._fd = None
+        while self._fds:  # closing releases each flock; the files stay, naming the last holders
+            os.close(self._fds.pop())
+
+
+def _open(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _flock(fd: int, operation: int, out_dir: Path) -> bool:
+    """-> whether the lock was taken (False: another holder, with LOCK_NB)."""
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as err:
+        if err.errno in _UNSUPPORTED:
+            raise LockedError(f"{out_dir}: this file system does not support flock ({err.strerror}), so two runs "
+                              "could write it at once; use an output.dir on a local or flock-capable file "
+                              "system") from None
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
+
+
+def _whoami() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+
+
+def _record(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
 
 
 class Interrupted(RuntimeError):

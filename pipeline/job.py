@@ -22,8 +22,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from bcg.engine import BCGEngine
 from pipeline.calibrate import save_choice
 from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices
-from pipeline.contact_sheet import write_contact_sheet
-from pipeline.denoise import Denoiser
+from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
+from pipeline.denoise import Denoiser, sampler_label
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               start_compile_workers, with_attention)
@@ -32,7 +32,7 @@ from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Item, ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
-from pipeline.models import attention_pixels, build_model, check_items, model_limits
+from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits
 from pipeline.models.base import Adapter
 from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
@@ -40,7 +40,8 @@ from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
 from pipeline.stats import RunStats, library_versions
-from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
+from pipeline.resume import (Committed, ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
+                             keys_to_clear, read_committed, remove_batches)
 from pipeline.sharding import ShardSpec, shard_batches
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Writer, reserved_columns, shard_schema
 
@@ -91,8 +92,9 @@ class Generated:
 @job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
-    parts/shard-*.json holds it (`PartReport.to_dict()`). User errors raise ValueError subclasses
-    (ManifestError, ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
+    parts/shard-*.json holds it (`PartReport.to_dict()`; a shard found finished returns its part
+    as it is, and builds no model). User errors raise ValueError subclasses (ManifestError,
+    ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
     `Interrupted` once the current batch is committed. `adapter`: a model already built from
     cfg.model (the benchmark's, shared with its diffusers baseline)."""
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
@@ -102,64 +104,72 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     items, bad, extras = read_valid_manifest(cfg)
 
     # 3. Resolve the ladder: bcg.ladder, or with bcg.ladder=auto the choice an earlier run of this job
-    #    saved; a new auto choice waits for the model (step 7).
+    #    saved; a new auto choice waits for the model (step 10).
     ladder = resolve_ladder(cfg.bcg, items, setup.shard, setup.device, setup.out_dir,
                             settings_digest(cfg, setup.precision))
 
     # 4. Plan the whole job (every shard computes the same plan), then take this shard's slice.
     planned = plan_ladder(ladder, items, cfg, setup.shard)
 
-    with JobLock(setup.out_dir, setup.shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
-        # 5. The bad rows' reasons; the temporary files of a process that died.
+    # 5. What every output row records about how it was made, from the configs (no weights needed).
+    fields = job_fields(cfg, setup.precision)
+
+    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
+        # 6. The batches not committed under output.dir yet. Committed batches that do not match the
+        #    job are refused (with overwrite: cleared) here, before anything is written or built; with
+        #    a new auto ladder, once step 10 has planned.
+        todo = batches_left(setup.out_dir, planned, bad, fields, cfg.output.on_conflict, setup.shard)
+
+        # 7. The bad rows' reasons; the temporary files of a process that died.
         prepare_output(setup.out_dir, bad)
 
-        # 6. The model and its kernels, and the denoiser that runs it in bcg.scope.
-        built = build(cfg, items, setup, adapter)
+        # 8. A finished job ends here, before any weights are loaded.
+        if todo == [] and part_path(setup.out_dir, setup.shard.name).is_file():
+            return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet)
+
+        # 9. The model and its kernels, and the denoiser that runs it in bcg.scope.
+        built = build(cfg, items, setup, adapter, fields)
         stop.check()
 
-        # 7. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
-        #    choice is saved so that a resumed job plans the same).
-        ladder, planned = calibrated_plan(ladder, planned, cfg, items, built.denoiser, setup)
+        # 10. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
+        #     choice is saved so that a resumed job plans the same), and the batches left of that plan.
+        ladder, planned, todo = calibrated_plan(ladder, planned, todo, cfg, items, bad, built, setup)
         stop.check()
 
-        # 8. The denoiser's engine on that ladder, then the batches not committed under output.dir yet.
+        # 11. The denoiser's engine on that ladder.
         built.denoiser.attach(engine_factory(cfg, ladder.ladder, setup.device))
-        todo = batches_left(setup.out_dir, planned, built.fields, cfg.output.on_conflict, setup.shard)
 
-        # 9. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
+        # 12. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
         prompts = prompt_cache(built.adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES,
                                cfg.model.offload_text_encoder)
         stop.check()
 
-        # 10. Graphs for every resolution this shard runs, before its first batch.
+        # 13. Graphs for every resolution this shard runs, before its first batch.
         capture(built.denoiser, todo, cfg.bcg.capture)
         stop.check()
 
-        # 11. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
+        # 14. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
         #     for its results. A stop signal takes effect once the queued batches are committed.
         generated = generate(built, prompts, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
 
-        # 12. This part's report, under parts/.
+        # 15. This part's report, under parts/.
         report = part_report(cfg, setup, stats, planned, todo, len(bad), built, ladder, prompts, generated,
                              resolved_config)
         write_part(setup.out_dir, setup.shard, report)
 
-    # 13. The run-level stats.json and _SUCCESS once every shard's part is in; the contact sheet.
+    # 16. The run-level stats.json and _SUCCESS once every shard's part is in; the contact sheet.
     finish(setup.out_dir, report, setup.shard, cfg.output.contact_sheet)
     return report.to_dict()
 
 
 def start(cfg: JobConfig) -> tuple[Setup, RunStats]:
-    """Refuse bad choices and kernel settings, select the device, start the compile workers (they
-    come up while the model is built), set the numerics flags; the job's clock starts here."""
+    """Refuse bad choices and kernel settings, select the device, set the numerics flags; the job's
+    clock starts here."""
     check_choices(cfg)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     stats = RunStats()
     device = resolve_device(cfg.runtime.device, shard.index)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     check_job_kernels(cfg, device)
-    start_compile_workers(cfg.kernels, device)
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
     return Setup(shard, device, precision, Path(cfg.output.dir)), stats
 
@@ -191,15 +201,18 @@ def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Sc
     return items, bad, extras
 
 
-def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, cfg: JobConfig, items: list[Item],
-                    denoiser: Denoiser, setup: Setup) -> tuple[LadderDecision, ShardPlan]:
-    """A decided ladder and its plan as they are; a pending one calibrated, planned and saved."""
+def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, todo: list[Batch] | None, cfg: JobConfig,
+                    items: list[Item], bad: list[BadRow], built: Built,
+                    setup: Setup) -> tuple[LadderDecision, ShardPlan, list[Batch]]:
+    """A decided ladder, its plan and the batches left as they are; a pending one calibrated,
+    planned and saved, and the batches left of that plan."""
     if not decision.pending:
-        return decision, planned
-    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, items, denoiser, setup.device)
+        return decision, planned, todo
+    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, items, built.denoiser,
+                                setup.device)
     planned = plan_ladder(decision, items, cfg, setup.shard)
     save_choice(setup.out_dir, decision.costs, decision.fingerprint, decision.auto_report)
-    return decision, planned
+    return decision, planned, batches_left(setup.out_dir, planned, bad, built.fields, cfg.output.on_conflict, setup.shard)
 
 
 def plan_ladder(decision: LadderDecision, items: list[Item], cfg: JobConfig, shard: ShardSpec) -> ShardPlan | None:
@@ -220,23 +233,33 @@ def plan_ladder(decision: LadderDecision, items: list[Item], cfg: JobConfig, sha
 
 
 def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
+    """errors.parquet names this job's bad rows (one left by another manifest is removed); the
+    temporary files of a dead process are deleted."""
     if bad:
         atomic_write_table(out_dir / ERRORS, errors_table(bad))
         log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
+    else:
+        (out_dir / ERRORS).unlink(missing_ok=True)
     removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR))
     if removed:
         log.info("removed %d temporary files left by a process that died", removed)
 
 
-def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None) -> Built:
-    """The model (unless the caller built it), its kernels (`kernels`), and its denoiser."""
+def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None, fields: dict[str, Any]) -> Built:
+    """The device made current (CUDA is set up here, not before: a finished job never gets this far),
+    the compile workers (they come up while the model loads), the model (unless the caller built
+    it), its kernels (`kernels`), and its denoiser. `fields`: job_fields, which the built model
+    must agree with."""
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)
+    start_compile_workers(cfg.kernels, setup.device)
     adapter = adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype])
     resolutions = sorted({(it.height, it.width) for it in items})
     compiled_before = compile_stats()
     kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
                             texts=manifest_texts(items))
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
-    fields = job_fields(cfg, adapter.name, denoiser.sampler_label, setup.precision)
+    assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
     return Built(adapter, denoiser, kernels, compiled_before, fields)
 
 
@@ -249,10 +272,14 @@ def engine_factory(cfg: JobConfig, ladder: list[int], device: torch.device) -> C
     return make
 
 
-def job_fields(cfg: JobConfig, model: str, sampler: str, precision: dict) -> dict[str, Any]:
-    """What every output row of this job says about how it was made; `settings` digests the rest."""
+def job_fields(cfg: JobConfig, precision: dict) -> dict[str, Any]:
+    """What every output row of this job says about how it was made; `settings` digests the rest.
+    From the configs alone (the model's name and scheduler class from its config or checkpoint
+    JSON), so committed rows are checked against the job before any weights are loaded."""
+    model, scheduler_class = model_labels(cfg.model)
     return {"steps": cfg.sampler.steps, "guidance_scale": cfg.sampler.guidance_scale, "model": model,
-            "sampler": sampler, "settings": settings_digest(cfg, precision)}
+            "sampler": sampler_label(cfg.bcg.scope, cfg.sampler.name, scheduler_class),
+            "settings": settings_digest(cfg, precision)}
 
 
 def settings_digest(cfg: JobConfig, precision: dict) -> str:
@@ -266,37 +293,72 @@ def settings_digest(cfg: JobConfig, precision: dict) -> str:
     return hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def batches_left(out_dir: Path, planned: ShardPlan, fields: dict[str, Any], on_conflict: str,
-                 shard: ShardSpec) -> list[Batch]:
-    """This shard's batches minus those committed earlier; refuses (or, with overwrite, clears)
-    committed batches that no longer match the job. With batches left the job is reopened."""
+def batches_left(out_dir: Path, planned: ShardPlan | None, bad: list[BadRow], fields: dict[str, Any], on_conflict: str,
+                 shard: ShardSpec) -> list[Batch] | None:
+    """This shard's batches minus those committed earlier (None while the plan waits for a new auto
+    ladder). Committed images of ids that this job's manifest does not hold (neither planned nor a
+    bad row) are another job's: refused, overwrite or not. Other committed batches that no longer
+    match the job are refused, or with overwrite deleted (their ids are regenerated, or stay
+    deleted where their row is bad now). With batches left the job is reopened."""
+    if planned is None:
+        return None
     committed = read_committed(out_dir)
+    foreign = foreign_ids(committed, {it.id for b in planned.plan.batches for it in b.items} | {r.id for r in bad})
+    if foreign:
+        raise ResumeConflict(foreign_message(foreign, out_dir))
     conflicts = find_conflicts(planned.plan.batches, committed, fields)
     if conflicts and on_conflict == "error":
         raise ResumeConflict(conflict_message(conflicts, out_dir))
     if conflicts:
-        log.warning("output.on_conflict=overwrite: regenerating %d committed batches that changed", len(conflicts))
-        remove_batches(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0))
-    mine = planned.mine
+        overwrite(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0),
+                  {r.id for r in bad})
     done = set(committed.rows) - set(conflicts)
-    if done & {b.key for b in mine}:
-        log.info("resuming: %d of %d batches already committed", len(done & {b.key for b in mine}), len(mine))
-    todo = [b for b in mine if b.key not in done]
+    todo = [b for b in planned.mine if b.key not in done]
     if todo:
+        if len(todo) < len(planned.mine):
+            log.info("resuming: %d of %d batches already committed", len(planned.mine) - len(todo), len(planned.mine))
         reopen(out_dir, shard)
     else:
-        log.info("nothing to do: all %d batches of %s are already committed under %s", len(mine), shard.name, out_dir)
+        of = f"{shard.name} of {out_dir}" if shard.count > 1 else str(out_dir)
+        log.info("nothing to do: all %d images of %s are committed", planned.images, of)
     return todo
 
 
+def overwrite(out_dir: Path, committed: Committed, keys: list[str], bad_ids: set[str]) -> None:
+    """output.on_conflict=overwrite: delete this shard's committed batches that do not match the job
+    (`keys`), saying how many of their ids are planned again and how many are bad rows now."""
+    if not keys:
+        return
+    ids = [row["id"] for key in keys for row in committed.rows[key]]
+    dropped = sum(i in bad_ids for i in ids)
+    log.warning("output.on_conflict=overwrite: deleting %d committed batch(es) that do not match this job (%d images: "
+                "%d ids planned again, %d bad rows now)", len(keys), len(ids), len(ids) - dropped, dropped)
+    remove_batches(out_dir, committed, keys)
+
+
 def reopen(out_dir: Path, shard: ShardSpec) -> None:
-    """This shard has work: the job is not complete until it is done again, and a part left by a
-    job with another shard.count is stale."""
-    for path in (out_dir / SUCCESS, out_dir / STATS, part_path(out_dir, shard.name)):
+    """This shard has work: the job is not complete until it is done again, so its run-level files
+    (stats.json, _SUCCESS, the contact sheet) are stale, and so is a part left by a job with another
+    shard.count."""
+    for path in (out_dir / SUCCESS, out_dir / STATS, out_dir / CONTACT_SHEET, part_path(out_dir, shard.name)):
         path.unlink(missing_ok=True)
     for stale in (out_dir / PARTS_DIR).glob("shard-*.json"):
         if not stale.stem.endswith(f"-of-{shard.count:05d}"):
             stale.unlink(missing_ok=True)
+
+
+def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool) -> dict[str, Any]:
+    """A finished job run again: its part as it is; stats.json and _SUCCESS (once every shard is in)
+    and the contact sheet are written only where missing."""
+    if not ((out_dir / STATS).is_file() and (out_dir / SUCCESS).is_file()):
+        try:
+            merge(out_dir, shard.count)
+            log.info("%s complete (%s and %s written)", out_dir, STATS, SUCCESS)
+        except IncompleteError as err:
+            log.info("%s", err)
+    if contact_sheet and not (out_dir / CONTACT_SHEET).is_file():
+        log.info("contact sheet: %s", write_contact_sheet(out_dir))
+    return PartReport.read(part_path(out_dir, shard.name)).to_dict()
 
 
 def capture(denoiser: Denoiser, todo: list[Batch], mode: str) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -109,7 +110,7 @@ def read_manifest(
     if granularity < 1 or max_side < 1:
         raise ValueError(f"granularity ({granularity}) and max_side ({max_side}) must be positive")
     table = _load_table(path)
-    _check_schema(table, path)
+    _check_schema(table.schema, table.num_rows, path)
     problems: dict[int, list[str]] = {}
 
     # 1. Check each column; each check records reasons by row and returns the clean values.
@@ -188,23 +189,46 @@ def _fail(path: str | os.PathLike, problem: str) -> ManifestError:
     return ManifestError(f"manifest {os.fspath(path)}: {problem}")
 
 
-def _load_table(path: str | os.PathLike) -> pa.Table:
-    """Read one Parquet file; a directory is refused because row numbers must name one file."""
+def check_manifest_file(path: str | os.PathLike) -> None:
+    """The whole-file checks that need only the Parquet footer: the file exists, is Parquet, has the
+    required columns with accepted types, and has rows. Cheap (no row is read), so the CLI names a
+    wrong path or file before anything else runs; `read_manifest` makes them again, then checks rows."""
+    _check_path(path)
+    with _reading(path):
+        metadata = pq.read_metadata(os.fspath(path))
+    _check_schema(metadata.schema.to_arrow_schema(), metadata.num_rows, path)
+
+
+def _check_path(path: str | os.PathLike) -> None:
     if os.path.isdir(path):
         raise _fail(path, "is a directory; expected one Parquet file")
     if not os.path.exists(path):
         raise _fail(path, "file not found")
-    try:
+
+
+def _load_table(path: str | os.PathLike) -> pa.Table:
+    """Read one Parquet file; a directory is refused because row numbers must name one file."""
+    _check_path(path)
+    with _reading(path):
         # ParquetFile, not read_table: no dataset layer, which would read a directory, treat the
         # path as a URI and fail on a repeated column name before we can name it.
         return pq.ParquetFile(os.fspath(path)).read()
+
+
+@contextmanager
+def _reading(path: str | os.PathLike) -> Iterator[None]:
+    """A file that is not Parquet, or that cannot be read, as one ManifestError naming it."""
+    try:
+        yield
     except pa.ArrowInvalid as exc:
         raise _fail(path, f"not a readable Parquet file ({exc})") from None
+    except OSError as exc:
+        raise _fail(path, f"cannot be read ({exc.strerror or exc})") from None
 
 
-def _check_schema(table: pa.Table, path: str | os.PathLike) -> None:
+def _check_schema(schema: pa.Schema, num_rows: int, path: str | os.PathLike) -> None:
     """Raise one ManifestError naming every missing or mistyped column, or an empty table."""
-    names = table.column_names
+    names = schema.names
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise _fail(path, f"column(s) appear more than once: {', '.join(repeated)}")
@@ -217,13 +241,13 @@ def _check_schema(table: pa.Table, path: str | os.PathLike) -> None:
             f"found: {', '.join(names) or 'no columns'}",
         )
     wrong = [
-        f"column '{name}' has type {table.schema.field(name).type}; accepted: {kind.description}"
+        f"column '{name}' has type {schema.field(name).type}; accepted: {kind.description}"
         for name, kind in {**REQUIRED_COLUMNS, **OPTIONAL_COLUMNS}.items()
-        if name in names and not kind.accepts(table.schema.field(name).type)
+        if name in names and not kind.accepts(schema.field(name).type)
     ]
     if wrong:
         raise _fail(path, "; ".join(wrong))
-    if table.num_rows == 0:
+    if num_rows == 0:
         raise _fail(path, "manifest has no rows")
 
 

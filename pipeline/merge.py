@@ -6,7 +6,8 @@ the last one to finish merges. By hand, or after a Slurm array:
 
     python -m pipeline.merge output.dir=outputs/my-dataset
 
-exits 0 when merged, 1 (naming the missing shards) when some part is not complete.
+exits 0 when merged, 4 (naming the missing shards) when some part is not complete, 2 when the
+directory does not exist or its parts cannot be merged (parts of jobs with different shard.count).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def missing_shards(parts: list[PartReport]) -> list[int] | None:
     count = parts[0].shard.count
     if any(p.shard.count != count for p in parts):
         counts = sorted({p.shard.count for p in parts})
-        raise UserError(f"parts disagree on shard.count ({counts}): one output.dir holds two different jobs")
+        raise UserError(f"parts disagree on shard.count ({', '.join(map(str, counts))}): {PARTS_DIR}/ holds the "
+                        "parts of jobs with different shard.count; run the job of the count you want again (it "
+                        "removes the other parts), then merge")
     return sorted(set(range(count)) - {p.shard.index for p in parts})
 
 
@@ -125,11 +128,17 @@ def main(argv: list[str]) -> int:
     if len(dirs) != 1 or len(argv) != 1:
         print("usage: python -m pipeline.merge output.dir=DIR", file=sys.stderr)
         return ExitCode.USER_ERROR
+    out_dir = Path(dirs[0])
     try:
-        merged = merge(Path(dirs[0]))
+        if not out_dir.is_dir():
+            raise UserError(f"output.dir={out_dir}: no such directory")
+        merged = merge(out_dir)
     except IncompleteError as err:
         print(err, file=sys.stderr)
         return ExitCode.INCOMPLETE
+    except UserError as err:  # mixed shard counts, a part this version cannot read
+        print(f"error: {err}", file=sys.stderr)
+        return ExitCode.USER_ERROR
     print(f"merged {len(merged.shards)} shard(s): {asdict(merged.images)} -> {dirs[0]}/{STATS}, {SUCCESS}")
     return ExitCode.DONE
 

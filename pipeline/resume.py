@@ -4,7 +4,8 @@ A batch is committed when its shard file `shards/<batch key>.parquet` exists: th
 into place after the batch's images, so it is never partial. On start the job skips committed
 batches and runs the rest exactly as planned. If a committed row no longer matches the job (the
 manifest row or the generation settings changed, or the plan put other ids in that batch) the job
-refuses and names the ids, unless `output.on_conflict=overwrite`.
+refuses and names the ids, unless `output.on_conflict=overwrite`. Committed ids that the job's
+manifest does not hold at all are another job's output: refused either way, never deleted.
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def read_committed(out_dir: Path) -> Committed:
                     f"{path} cannot be read as a committed batch ({err}); delete it to regenerate that batch"
                 ) from None
     return Committed(rows)
+
+
+def foreign_ids(committed: Committed, manifest_ids: set[str]) -> dict[str, list[str]]:
+    """Batch key -> its committed ids that are not in `manifest_ids`, for the batches that hold any:
+    images of another job, which this one must not touch."""
+    foreign = {key: [r["id"] for r in rows if r["id"] not in manifest_ids] for key, rows in committed.rows.items()}
+    return {key: ids for key, ids in foreign.items() if ids}
+
+
+def foreign_message(foreign: dict[str, list[str]], out_dir: Path, limit: int = 3) -> str:
+    """One line: how many such images, a few of their ids and batch files, and what to do."""
+    ids = sorted(i for batch in foreign.values() for i in batch)
+    files = _listed([f"{SHARDS_DIR}/{key}.parquet" for key in sorted(foreign)], limit)
+    return (f"{out_dir} holds {len(ids)} committed image(s) of ids that this job's manifest does not have "
+            f"({_listed([repr(i) for i in ids])}; in {files}): another job's output, which this job never deletes, "
+            "output.on_conflict=overwrite included. Use another output.dir, or remove those batches yourself")
 
 
 def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, fields: dict[str, Any]) -> dict[str, str]:
@@ -103,8 +120,9 @@ def keys_to_clear(conflicts: dict[str, str], plan_batches: Sequence[Batch], mine
 
 
 def remove_batches(out_dir: Path, committed: Committed, keys: Sequence[str]) -> None:
-    """output.on_conflict=overwrite: drop conflicting shard files (their images are rewritten or,
-    for ids no longer planned, removed), so the directory never mixes two jobs."""
+    """output.on_conflict=overwrite: drop conflicting shard files and their images (rewritten where
+    their id is planned, gone where its row is bad now), so the directory never mixes two versions
+    of a job. Only for batches of this job's ids (`foreign_ids` refuses the others first)."""
     for key in keys:
         for row in committed.rows[key]:
             image = Path(out_dir) / IMAGES_DIR / f"{row['id']}.png"
@@ -113,6 +131,9 @@ def remove_batches(out_dir: Path, committed: Committed, keys: Sequence[str]) -> 
         (Path(out_dir) / SHARDS_DIR / f"{key}.parquet").unlink(missing_ok=True)
 
 
-def _ids(rows: list[dict[str, Any]], limit: int = 5) -> str:
-    ids = [repr(r["id"]) for r in rows]
-    return ", ".join(ids[:limit]) + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+def _ids(rows: list[dict[str, Any]]) -> str:
+    return _listed([repr(r["id"]) for r in rows])
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")

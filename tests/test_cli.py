@@ -88,6 +88,22 @@ def test_no_arguments_names_manifest_path_with_an_example(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("name", "content", "problem"), [
+    ("missing.parquet", None, "file not found"),
+    ("notes.txt", "id,prompt\n", "not a readable Parquet file"),
+])
+def test_a_manifest_that_is_not_there_or_not_parquet_fails_before_any_heavy_import(tmp_path, name, content, problem):
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.run", "+job=dataset", f"manifest.path={name}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.USER_ERROR
+    assert one_error_line(proc).startswith(f"error: manifest {tmp_path / name}: {problem}")
+    assert not imported(proc) & {"torch", "diffusers", "transformers"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([name] if content is not None else [])  # no outputs/<date>
+
+
 def test_an_output_dir_that_cannot_be_created_is_refused_before_anything_is_written(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -172,6 +188,8 @@ def test_help_and_a_refused_command_import_neither_torch_nor_diffusers(tmp_path,
 
 
 def test_relative_paths_are_resolved_against_where_the_command_runs(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_manifest(tmp_path / "data/m.parquet", rows(("a", 64, 64, 1)))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["+job=nightly", "manifest.path=data/m.parquet"])
     job = resolve_job(cfg, tmp_path, tmp_path / "unused")
@@ -183,6 +201,7 @@ def test_relative_paths_are_resolved_against_where_the_command_runs(tmp_path):
 
 
 def test_without_output_dir_the_job_writes_to_hydras_run_directory(tmp_path):
+    write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["+job=dataset", "manifest.path=m.parquet"])
     assert resolve_job(cfg, tmp_path, tmp_path / "outputs/run").output.dir == str(tmp_path / "outputs/run")

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from conftest import REPO, cpu_job, rows, write_manifest
+from pipeline import job as job_module
 from pipeline import writer as writer_module
 from pipeline.guard import JobLock, LockedError
 from pipeline.job import run
 from pipeline.models.pixart import PixArtAdapter
 from pipeline.resume import ResumeConflict
+from pipeline.sharding import ShardSpec
 from pipeline.writer import WriteError
 
 MANY = rows(*[(f"r{k:03d}", 64, 64, k) for k in range(24)])
@@ -79,17 +81,26 @@ def test_stopped_job_finishes_when_run_again_with_identical_images(uninterrupted
         assert (out / "images" / image.name).read_bytes() == image.read_bytes(), image.name
 
 
-def test_finished_job_run_again_does_nothing_and_says_so(uninterrupted, caplog):
+def test_finished_job_run_again_builds_no_model_and_rewrites_nothing(uninterrupted, caplog, monkeypatch):
     manifest, whole = uninterrupted
-    before = {p: p.stat().st_mtime_ns for p in (whole / "images").iterdir()}
+    files = [p for p in whole.rglob("*") if p.is_file() and not p.name.startswith(".lock")]
+    before = {p: p.stat().st_mtime_ns for p in files}
+    monkeypatch.setattr(job_module, "build_model", no_model)
     cfg = cpu_job(manifest, whole, "sampler.steps=4", "bcg.ladder=[1]")
     with caplog.at_level("INFO"):
         report = run(cfg)
-    assert report["images"]["skipped"] == len(MANY) and report["images"]["ok"] == 0
-    assert "nothing to do" in caplog.text
-    assert {p: p.stat().st_mtime_ns for p in (whole / "images").iterdir()} == before
-    stats = json.loads((whole / "stats.json").read_text())  # still describes the whole dataset
-    assert stats["images"]["ok"] == len(MANY) and stats["images"]["generated"] == 0
+    assert report == json.loads((whole / "parts/shard-00000-of-00001.json").read_text())  # the part as it was
+    assert f"nothing to do: all {len(MANY)} images of {whole} are committed" in caplog.text
+    assert {p: p.stat().st_mtime_ns for p in files} == before
+    (whole / "stats.json").unlink()
+    (whole / "_SUCCESS").unlink()
+    run(cfg)  # the run-level files where missing, still without a model
+    stats = json.loads((whole / "stats.json").read_text())
+    assert (whole / "_SUCCESS").exists() and stats["images"]["ok"] == stats["images"]["generated"] == len(MANY)
+
+
+def no_model(*args, **kwargs):
+    raise AssertionError("the model was built")
 
 
 def test_changed_manifest_row_is_refused_by_id_unless_overwrite(tmp_path):
@@ -112,7 +123,9 @@ def test_changed_settings_are_a_conflict_but_a_null_negative_prompt_equals_empty
     with pytest.raises(ResumeConflict, match=r"id 'a': settings changed(.|\n)*precision"):
         run(cpu_job(manifest, tmp_path / "out", "precision=bf16"))
     write_manifest(manifest, [{**r, "negative_prompt": ""} for r in base])
-    assert run(cpu_job(manifest, tmp_path / "out"))["images"]["skipped"] == 2
+    images = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "images").iterdir()}
+    run(cpu_job(manifest, tmp_path / "out"))  # no conflict: nothing to do
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "images").iterdir()} == images
 
 
 def test_resume_with_another_shard_count_completes(tmp_path):
@@ -183,7 +196,7 @@ def test_disk_full_stops_the_job_and_keeps_what_was_committed(tmp_path, monkeypa
 
 def test_second_run_on_a_locked_output_dir_names_the_holder(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
-    with JobLock(tmp_path / "out", "shard-00000-of-00001"):
+    with JobLock(tmp_path / "out", ShardSpec(0, 1)):
         with pytest.raises(LockedError, match=rf"being written by pid {os.getpid()} on"):
             run(cpu_job(manifest, tmp_path / "out"))
     assert run(cpu_job(manifest, tmp_path / "out"))["images"]["ok"] == 1  # released

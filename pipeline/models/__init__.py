@@ -18,11 +18,12 @@ from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import BadRow, Item
 from pipeline.models import dit, pixart, sd3
-from pipeline.models.source import Source, config_value, force_offline, quiet_diffusers, read_pipeline_dir, vae_scale_factor
+from pipeline.models.source import (Source, config_value, force_offline, model_name, quiet_diffusers, read_pipeline_dir,
+                                    vae_scale_factor)
 
 __all__ = [
-    "FAMILIES", "attention_pixels", "build_model", "check_items", "model_limits", "model_source", "quiet_diffusers", "save_diffusers",
-    "to_diffusers",
+    "FAMILIES", "attention_pixels", "build_model", "check_items", "model_labels", "model_limits", "model_source", "quiet_diffusers",
+    "save_diffusers", "to_diffusers",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,13 @@ def model_limits(cfg: ModelConfig) -> tuple[int, int]:
     weights are loaded."""
     source = model_source(cfg)
     return FAMILIES[source.family].limits(source, cfg)
+
+
+def model_labels(cfg: ModelConfig) -> tuple[str, str]:
+    """(the model's name, its diffusers scheduler class) as the built adapter has them, from configs
+    alone: what a job's output rows record, known before any weights are loaded."""
+    source = model_source(cfg)
+    return model_name(source, cfg), source.scheduler[0]
 
 
 def attention_pixels(cfg: ModelConfig) -> float:

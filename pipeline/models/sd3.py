@@ -29,6 +29,7 @@ from pipeline.models.source import (
     config_value,
     default_max_side,
     load_component,
+    model_name,
     vae_scale_factor,
 )
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
@@ -188,7 +189,6 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
         modules = build_random_modules(factories, cfg.init_seed, cfg.init_device, device, dtype)
         tokenizers = {"tokenizer": build_clip_char_tokenizer(), "tokenizer_2": build_clip_char_tokenizer(),
                       "tokenizer_3": build_char_tokenizer()}
-        name = cfg.name
     else:
         present = ["transformer", "vae"] + [e for e in encoders if source.has(e)]
         missing = [e for e in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2") if not source.has(e)]
@@ -196,10 +196,9 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
             raise UserError(f"model.path={source.path}: the SD3 pipeline needs {missing}, which model_index.json lacks")
         modules = {m: load_component(source, m, dtype, device) for m in present}
         tokenizers = {t: load_component(source, t, dtype, device) for t in TOKENIZERS if source.has(t)}
-        name = source.path.name
     scheduler_class, scheduler_config = source.scheduler
     return SD3Adapter(
-        name,
+        model_name(source, cfg),
         modules["transformer"],
         modules["vae"],
         {e: modules.get(e) for e in encoders},

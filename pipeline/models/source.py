@@ -212,8 +212,16 @@ def make_modules(
     """The model's modules and name: random weights from `factories` (component -> constructor)
     for a config, or every one of those components loaded from the checkpoint directory."""
     if source.path is None:
-        return build_random_modules(factories, cfg.init_seed, cfg.init_device, device, dtype), cfg.name
-    return {m: load_component(source, m, dtype, device) for m in factories}, source.path.name
+        modules = build_random_modules(factories, cfg.init_seed, cfg.init_device, device, dtype)
+    else:
+        modules = {m: load_component(source, m, dtype, device) for m in factories}
+    return modules, model_name(source, cfg)
+
+
+def model_name(source: Source, cfg) -> str:
+    """What output rows and stats.json call the model: the config's name for random weights, the
+    checkpoint directory's name for a local directory."""
+    return cfg.name if source.path is None else source.path.name
 
 
 def default_max_side(native: int, hard: int | None, configured: int | None) -> int:
