@@ -48,7 +48,7 @@ from pipeline.profiling import profile_categories, step_flops_by_kind
 # A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
 # (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
-# kernels), fuse (fused q|k|v projections), fp8 (torchao float8),
+# kernels), fuse (fused q|k|v projections), fp8 (kernels.fp8: rowwise-scaled float8 matmuls),
 # gelu (the feed-forward's GELU in the matmul's epilogue), residual (kernels.fuse_residual; with
 # compile, its layer norms and constants only: compile_scope=norms).
 # fuse and fp8 change the run's one model for good: see ModelState.
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in variants:
         try:
             results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters, state, args.profile)
-        except UserError as err:  # fp8 without torchao or float8 tensor cores; a model state behind us
+        except UserError as err:  # fp8 without float8 tensor cores; a model state behind us
             results["variants_skipped"] = {**results.get("variants_skipped", {}), name: str(err)}
             continue
         save_partial(results, args.out)

@@ -10,9 +10,12 @@
 #                                                # bucket; capture time and graph pool bytes
 #   bash benchmarks/gpu_checks.sh bench-200      # +job=bench (its own kernels and ladder; KERNELS overrides them)
 #                                                # on the 200-row manifest: our job against diffusers' pipeline
-#   bash benchmarks/gpu_checks.sh fp8            # kernels.fp8 true vs false on the 60-row manifest: images/s, and PSNR
-#                                                # and worst difference of the images (uncompiled cuDNN kernels;
-#                                                # fp8 excludes fuse_gelu)
+#   bash benchmarks/gpu_checks.sh fp8            # kernels.fp8 true vs false on the 60-row manifest (PixArt-Sigma): images/s,
+#                                                # and PSNR and worst difference of the images (cuDNN attention, the
+#                                                # blocks compiled either way; fp8 excludes fuse_gelu)
+#   bash benchmarks/gpu_checks.sh flux           # the Flux cuda tests, then bench_flux.py: FLUX.1-dev's transformer step at
+#                                                # 1024 and 512 px, batch 1: eager, our graph, compiled blocks, compiled
+#                                                # + fp8; fp8 against bf16 images (PSNR), s/image, peak memory
 #   bash benchmarks/gpu_checks.sh kernels-1024   # bench_kernels.py at 1024 px, 8 prompts: a CFG step's ms and share of
 #                                                # the matmul rate per kernel variant, time by kernel category, top
 #                                                # kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others;
@@ -102,13 +105,23 @@ bench_200() {
 fp8() {
   for fp8 in false true; do
     rm -rf /tmp/fp8-$fp8
-    timeout -s KILL ${FP8_LIMIT:-150} python3 -m pipeline.run +job=bench bench.baseline=false kernels=default kernels.attention=cudnn kernels.trim_text_padding=false bcg/ladder=pow2_8 kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$BENCH_OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
+    timeout -s KILL ${FP8_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline=false kernels=default kernels.attention=cudnn kernels.compile=true kernels.compile_scope=blocks kernels.trim_text_padding=false bcg/ladder=pow2_8 kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$BENCH_OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
     cp /tmp/fp8-$fp8/stats.json "$BENCH_OUT/fp8_$fp8.json" 2>/dev/null
   done
   python3 -m pipeline.compare /tmp/fp8-false /tmp/fp8-true --json "$BENCH_OUT/fp8_vs_bf16.json" > "$BENCH_OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
   echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$BENCH_OUT/fp8_vs_bf16.log"
   for f in "$BENCH_OUT"/fp8_false.json "$BENCH_OUT"/fp8_true.json; do stats_summary "$f" "$f"; done
   tail -n2 "$BENCH_OUT"/fp8_true.log | cut -c1-300
+}
+
+flux() {
+  timeout -s KILL ${FLUX_TESTS_LIMIT:-120} python3 -m pytest -p no:cacheprovider -v -rs -m cuda tests/test_models_cuda.py > "$BENCH_OUT/pytest_flux_cuda.log" 2>&1; flux_tests_rc=$?
+  echo "== flux cuda tests"; rc $flux_tests_rc; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$BENCH_OUT/pytest_flux_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -1 "$BENCH_OUT/pytest_flux_cuda.log"
+  rm -f "$BENCH_OUT/bench_flux.json"
+  timeout -s KILL ${FLUX_LIMIT:-420} python3 benchmarks/bench_flux.py --out "$BENCH_OUT/bench_flux.json" > "$BENCH_OUT/bench_flux.log" 2>&1; flux_rc=$?
+  echo "== flux: FLUX.1-dev transformer step per variant, fp8 against bf16 images"; rc $flux_rc
+  [ -f "$BENCH_OUT/bench_flux.json" ] && python3 benchmarks/bench_flux.py --report "$BENCH_OUT/bench_flux.json" | cut -c1-300
+  tail_if_failed $flux_rc "$BENCH_OUT/bench_flux.log"
 }
 
 kernels_1024() {
@@ -181,6 +194,7 @@ for what in "${@:-cuda-tests}"; do
     engine) engine ;;
     bench-200) bench_200 ;;
     fp8) fp8 ;;
+    flux) flux ;;
     kernels-1024) kernels_1024 ;;
     kernels-512) kernels_512 ;;
     baseline-1000) baseline_1000 ;;

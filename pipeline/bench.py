@@ -2,7 +2,11 @@
 
 The baseline is what a user without this tool would write: the manifest grouped by resolution, then
 `bench.baseline_batch` prompts per pipeline call (the last call of a resolution smaller), one
-generator per row, images returned as PIL (not saved). It runs first, on the untouched model; then
+generator per row, images returned as PIL (not saved), in the family's own diffusers pipeline. PixArt
+and SD3 get prompts (the pipeline encodes them); Flux gets prompt embeddings encoded before its clock
+starts (FluxPipeline with guidance_scale and, with sampler.true_cfg_scale, true CFG over negative
+embeddings), so its text encoding is excluded, as in our job with model.offload_text_encoder=true.
+It runs first, on the untouched model; then
 our job runs with its configured kernels on the same modules. Both are timed from their first
 prompt to their last image; ours also in steady state (the generate phase, after capture). The
 first batch of every resolution is compared pixel by pixel with our PNGs. `bench.json` in
@@ -39,6 +43,7 @@ from pipeline.models import build_model, to_diffusers
 from pipeline.models.base import Adapter
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
+from pipeline.prompts import negative_or_default
 from pipeline.report import PartReport
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR
 
@@ -46,7 +51,9 @@ log = logging.getLogger(__name__)
 
 BENCH = "bench.json"
 BASELINE_DIR = "baseline"  # bench.baseline_only: the baseline's images that our job is compared on
-TEXT_FAMILIES = ("pixart", "sd3")
+TEXT_FAMILIES = ("pixart", "sd3", "flux")
+EMBEDDED = ("flux",)  # families whose baseline is given prompt embeddings (text encoding outside the clock)
+ENCODE_CHUNK = 16
 
 
 @job_scope()  # the baseline sets precision and builds the model too
@@ -85,7 +92,8 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
 
     if saved is None:
         baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale,
-                                                 cfg.bench.baseline_batch, cfg.bench.reference_images)
+                                                 cfg.bench.baseline_batch, cfg.bench.reference_images,
+                                                 cfg.sampler.true_cfg_scale)
     else:
         baseline, reference = saved
     if cfg.bench.baseline_only:
@@ -131,12 +139,15 @@ def comparison(baseline: dict, report: PartReport, ours_s: float) -> dict:
 
 
 def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, batch: int,
-                       references: int) -> tuple[dict, dict[str, np.ndarray]]:
+                       references: int, true_cfg_scale: float = 1.0) -> tuple[dict, dict[str, np.ndarray]]:
     """-> (timing, {id: uint8 image} for the first `references` rows of every resolution)."""
     pipe = to_diffusers(adapter)
     pipe.set_progress_bar_config(disable=True)
     extra = {"use_resolution_binning": False, "clean_caption": False, "max_sequence_length": adapter.max_sequence_length} \
         if adapter.family == "pixart" else {}
+    if adapter.family in EMBEDDED and true_cfg_scale > 1:
+        extra["true_cfg_scale"] = true_cfg_scale
+    embeddings = prompt_embeddings(adapter, items, true_cfg_scale > 1) if adapter.family in EMBEDDED else None
     reference: dict[str, np.ndarray] = {}
     calls = 0
     start = time.perf_counter()
@@ -146,8 +157,7 @@ def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, bat
         for first in range(0, len(group), batch):
             rows = group[first:first + batch]
             images = pipe(
-                prompt=[it.prompt for it in rows],
-                negative_prompt=[it.negative_prompt or "" for it in rows],
+                **baseline_prompts(rows, embeddings, "true_cfg_scale" in extra),
                 height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
                 generator=[torch.Generator("cpu").manual_seed(it.seed) for it in rows],
                 output_type="pil", **extra,
@@ -158,7 +168,39 @@ def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, bat
     seconds = time.perf_counter() - start
     log.info("bench: diffusers baseline %d images in %d calls, %.1f s (%.3f img/s)", len(items), calls, seconds, len(items) / seconds)
     return {"pipeline": type(pipe).__name__, "images": len(items), "calls": calls, "batch": batch,
-            "seconds": round(seconds, 3), "images_per_s": round(len(items) / seconds, 4)}, reference
+            "seconds": round(seconds, 3), "images_per_s": round(len(items) / seconds, 4),
+            "prompts": "text" if embeddings is None else "embeddings"}, reference
+
+
+def prompt_embeddings(adapter: Adapter, items, negatives: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """text -> {"emb": [L, D], "pooled": [P]} for every prompt of `items` (and negative prompt, ""
+    for a row without one, with true CFG), by the adapter's encoders (diffusers' encode_prompt)."""
+    texts = {it.prompt for it in items}
+    if negatives:
+        texts |= {negative_or_default(it.negative_prompt) for it in items}
+    texts = sorted(texts)
+    out = {}
+    for first in range(0, len(texts), ENCODE_CHUNK):
+        chunk = texts[first:first + ENCODE_CHUNK]
+        encoded = adapter.encode(chunk)
+        out.update({text: {name: t[i] for name, t in encoded.items()} for i, text in enumerate(chunk)})
+    return out
+
+
+def baseline_prompts(rows, embeddings: dict | None, negatives: bool) -> dict:
+    """One baseline call's prompt arguments: texts (the pipeline encodes them), or FluxPipeline's
+    prompt_embeds / pooled_prompt_embeds (and their negatives with true CFG)."""
+    if embeddings is None:
+        return {"prompt": [it.prompt for it in rows], "negative_prompt": [it.negative_prompt or "" for it in rows]}
+
+    def stacked(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.stack([embeddings[t][name] for t in texts]) for name in ("emb", "pooled"))
+
+    out = dict(zip(("prompt_embeds", "pooled_prompt_embeds"), stacked([it.prompt for it in rows])))
+    if negatives:
+        negative = stacked([negative_or_default(it.negative_prompt) for it in rows])
+        out.update(zip(("negative_prompt_embeds", "negative_pooled_prompt_embeds"), negative))
+    return out
 
 
 def baseline_fingerprint(cfg: JobConfig, items) -> str:
@@ -166,6 +208,8 @@ def baseline_fingerprint(cfg: JobConfig, items) -> str:
     guidance and prompts per call (not our kernels or ladder)."""
     what = {"rows": [it.fields() for it in items], "model": asdict(cfg.model), "dtype": cfg.precision.dtype,
             "steps": cfg.sampler.steps, "guidance": cfg.sampler.guidance_scale, "batch": cfg.bench.baseline_batch}
+    if cfg.sampler.true_cfg_scale != 1.0:
+        what["true_cfg_scale"] = cfg.sampler.true_cfg_scale
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

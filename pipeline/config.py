@@ -32,7 +32,7 @@ class ModelConfig:
     # directory `path` (safetensors only, offline; its family comes from model_index.json).
     weights: str = "random"
     path: Optional[str] = None
-    # Random weights: the family (pixart | sd3 | dit), the diffusers pipeline it mirrors (None: the
+    # Random weights: the family (pixart | sd3 | dit | flux), the diffusers pipeline it mirrors (None: the
     # family's first, e.g. PixArtSigmaPipeline), the architecture of each component (kwargs of the
     # diffusers/transformers classes) and the scheduler (diffusers class name and config).
     family: str = "pixart"
@@ -45,7 +45,8 @@ class ModelConfig:
     init_device: str = "cpu"
     # DiT with random weights: class id -> "name, synonym, ..." (None: the names are "0" ... "999").
     id2label: Optional[Dict[str, str]] = None
-    # Text tokens per prompt; None: the pipeline's default (PixArt-Sigma 300, PixArt-Alpha 120, SD3 256).
+    # Text tokens per prompt; None: the pipeline's default (PixArt-Sigma 300, PixArt-Alpha 120, SD3 256,
+    # Flux 512; FLUX.1-schnell's checkpoints use 256).
     max_sequence_length: Optional[int] = None
     # Largest width/height a manifest may ask for; None: twice the native side, within the
     # architecture's hard limit (SD3: its positional grid; DiT: its one native size).
@@ -59,7 +60,11 @@ class SamplerConfig:
     # "default": the checkpoint's own diffusers scheduler.
     name: str = "default"
     steps: int = 20
+    # CFG's scale; for FLUX.1-dev the value its guidance embedding reads (FLUX.1-schnell has none).
     guidance_scale: float = 4.5
+    # Guidance-distilled families (flux): 1.0 runs one forward per row; above 1, diffusers' true CFG
+    # (a forward over [negative; positive], 2B rows, combined with this scale; negative prompts allowed).
+    true_cfg_scale: float = 1.0
 
 
 @dataclass
@@ -104,7 +109,8 @@ class KernelsConfig:
     # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
     # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ.
     fuse_qkv: bool = False
-    # float8 linear layers in the transformer (torchao, dynamic activation scaling; CUDA, sm89+).
+    # The transformer blocks' linear layers as rowwise-scaled float8 matmuls (torch._scaled_mm; weights
+    # quantized once, activations per row at each call; CUDA sm89+; PixArt, Flux). Fast under compile.
     fp8: bool = False
     # The feed-forward's up-projection, bias and tanh GELU as one cuBLASLt matmul with a GELU epilogue
     # (CUDA): one pass less over the widest activation; GELU rounds once, from the fp32 accumulator.

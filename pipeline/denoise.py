@@ -1,7 +1,8 @@
 """The denoising loop of one batch, in the configured `bcg.scope`, on the engine.
 
-- `forward`: the engine runs one CFG forward per step; the checkpoint's diffusers scheduler (or
-  the one `sampler=<name>` names) updates the latents eagerly between replays. What other engines do.
+- `forward`: the engine runs one model forward per step (with CFG: over 2B rows, combined); the
+  checkpoint's diffusers scheduler (or the one `sampler=<name>` names) updates the latents eagerly
+  between replays. What other engines do.
 - `step`: one engine call per step runs forward + CFG + our graph-safe sampler update
   (`pipeline.samplers`); the step position is a device tensor.
 - `loop`: one engine call runs every step of the batch; its graphs are keyed by the step count too.
@@ -21,7 +22,7 @@ from bcg.buffers import InputSpec
 from bcg.engine import BCGEngine, Output, ShapeKey
 from pipeline.errors import UserError
 from pipeline.models.base import Adapter
-from pipeline.samplers import SAMPLERS, Sampler, make_sampler, sampler_name_for
+from pipeline.samplers import SAMPLERS, Sampler, check_schedule, make_sampler, sampler_name_for
 
 SCOPES = ("forward", "step", "loop")
 
@@ -47,11 +48,15 @@ class Denoiser:
         self.scope = scope
         self.steps = steps
         self.sampler_name = sampler
-        # forward runs diffusers' own scheduler; step and loop need our graph-safe one (its options
-        # are checked here, at start).
-        self.sampler: Sampler | None = None
-        if scope != "forward":
-            self.sampler = make_sampler(sampler, adapter.scheduler_class, adapter.scheduler_config, steps, adapter.device)
+        # step and loop run our graph-safe sampler, one per resolution (the schedule may depend on it:
+        # Flux's shift); forward runs diffusers' own scheduler. Either way its options and the
+        # model's schedule are checked here, at start.
+        self.samplers: dict[tuple[int, int], Sampler] = {}
+        side = adapter.granularity
+        if scope == "forward":
+            check_schedule(self.sampler_label, adapter.schedule_kwargs(side, side, steps))
+        else:
+            self._make_sampler(side, side, torch.device("cpu"))
         self.engine: BCGEngine | None = None
         if engine_factory is not None:
             self.attach(engine_factory)
@@ -78,16 +83,20 @@ class Denoiser:
                     buckets: dict[tuple[int, int], set[int]] | None = None) -> None:
         """Graphs for `resolutions`: at the ladder buckets `buckets` names per resolution (None: all)."""
         keys = {(h, w): self.key(h, w) for h, w in resolutions}
+        if self.scope != "forward":  # the tables a graph reads exist before it is captured
+            for h, w in resolutions:
+                self.sampler_at(h, w)
         self.engine.capture_all(keys.values(), None if buckets is None else {keys[r]: b for r, b in buckets.items()})
 
     @torch.no_grad()
     def denoise(self, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """noise [n,C,h,w], cond {name: [n,2,...]}, guidance [n] -> final latents [n,C,h,w]."""
+        """noise [n,C,h,w], cond {name: [n,K,...]} (K = 2 with CFG, else 1), guidance [n] -> final
+        latents [n,C,h,w]."""
         n = noise.shape[0]
         key = self.key(height, width)
-        if self.sampler is None:
+        if self.scope == "forward":
             return self._denoise_forward(key, noise, cond, guidance)
-        x = noise * self.sampler.init_noise_sigma
+        x = noise * self.sampler_at(height, width).init_noise_sigma
         if self.scope == "loop":
             return self.engine.run(key, {"x": x, "g": guidance, **cond}, n)
         prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -99,7 +108,7 @@ class Denoiser:
     def _denoise_forward(self, key: ShapeKey, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor) -> torch.Tensor:
         n = noise.shape[0]
         scheduler = self._diffusers_scheduler()
-        scheduler.set_timesteps(self.steps, device=noise.device)
+        scheduler.set_timesteps(self.steps, device=noise.device, **self.adapter.schedule_kwargs(key[0], key[1], self.steps))
         # Flow-matching schedulers have neither (diffusers' SD3 pipeline uses neither).
         x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
         scale = getattr(scheduler, "scale_model_input", lambda sample, t: sample)
@@ -113,6 +122,17 @@ class Denoiser:
     def sampler_label(self) -> str:
         return sampler_label(self.scope, self.sampler_name, self.adapter.scheduler_class)
 
+    def sampler_at(self, height: int, width: int) -> Sampler:
+        """Our graph-safe sampler for images of this size, made once: a captured graph reads its tables."""
+        if (height, width) not in self.samplers:
+            self.samplers[(height, width)] = self._make_sampler(height, width, self.adapter.device)
+        return self.samplers[(height, width)]
+
+    def _make_sampler(self, height: int, width: int, device: torch.device) -> Sampler:
+        a = self.adapter
+        return make_sampler(self.sampler_name, a.scheduler_class, a.scheduler_config, self.steps, device,
+                            a.schedule_kwargs(height, width, self.steps))
+
     def _diffusers_scheduler(self):
         """A fresh scheduler per batch: diffusers' schedulers keep per-run state."""
         return getattr(diffusers, self.sampler_label).from_config(self.adapter.scheduler_config)
@@ -122,10 +142,12 @@ class Denoiser:
     def _step(self, inputs: Inputs) -> Output:
         """x, i [B] int64, prev [B,C,h,w] f32, g, cond -> (x_next, x0 prediction f32)."""
         i, x, prev = inputs["i"], inputs["x"], inputs["prev"]
+        f = self.adapter.vae_scale_factor  # the image size from the latents' shape (a graph is per size)
+        sampler = self.sampler_at(x.shape[-2] * f, x.shape[-1] * f)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("i", "prev")}
-        model_inputs["t"] = self.sampler.timestep(i)
+        model_inputs["t"] = sampler.timestep(i)
         eps = self.adapter.guided_eps(model_inputs)
-        return self.sampler.step(i, x, eps, prev)
+        return sampler.step(i, x, eps, prev)
 
     def _loop(self, inputs: Inputs) -> torch.Tensor:
         """x (initial latents), g, cond -> final latents; every step of the schedule, unrolled."""

@@ -115,7 +115,7 @@ def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, bat
     device = adapter.device
     timer = StageTimer(device)
     with timer.stage("encode"):
-        cond = cfg_conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items])
+        cond = conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items], adapter.uses_cfg)
         cond.update(adapter.size_inputs(batch.height, batch.width, n))
     with timer.stage("noise"):
         shape = adapter.latent_shape(batch.height, batch.width)
@@ -142,11 +142,14 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
 
 
-def cfg_conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None]) -> dict[str, torch.Tensor]:
-    """Conditioning for CFG, each tensor [n, 2, ...]: index 0 the negative prompt ("" when the row has
-    none, as diffusers), index 1 the prompt."""
-    neg = prompts.get([negative_or_default(p) for p in negative])
+def conditioning(prompts: PromptCache, positive: list[str], negative: list[str | None],
+                 cfg: bool) -> dict[str, torch.Tensor]:
+    """Each tensor [n, 2, ...] for CFG: index 0 the negative prompt ("" when the row has none, as
+    diffusers), index 1 the prompt; [n, 1, ...], the prompt alone, without CFG."""
     pos = prompts.get(positive)
+    if not cfg:
+        return {name: t.unsqueeze(1) for name, t in pos.items()}
+    neg = prompts.get([negative_or_default(p) for p in negative])
     return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
 
 

@@ -32,7 +32,7 @@ from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Item, ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
-from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits
+from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
 from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
@@ -185,7 +185,7 @@ def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Sc
     columns clash with ours, or when it has bad rows and manifest.on_invalid=error."""
     granularity, max_side = model_limits(cfg.model)
     items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
-    items, bad = check_items(cfg.model, items, bad)  # the family's own row checks (DiT class names)
+    items, bad = check_items(cfg.model, items, bad, cfg.sampler.true_cfg_scale)  # the family's own row checks
     extras = extra_schema(cfg.manifest.path)
     clashing = reserved_columns(extras)
     if clashing:
@@ -253,7 +253,8 @@ def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | No
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
     start_compile_workers(cfg.kernels, setup.device)
-    adapter = adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype])
+    adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype]),
+                            cfg.sampler.true_cfg_scale)
     resolutions = sorted({(it.height, it.width) for it in items})
     compiled_before = compile_stats()
     kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
@@ -287,6 +288,8 @@ def settings_digest(cfg: JobConfig, precision: dict) -> str:
     still its own: the model config, precision, scope, sampler, and the kernels that differ from the
     default (so a job with default kernels has one digest whichever kernel options exist)."""
     everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name}
+    if cfg.sampler.true_cfg_scale != 1.0:  # counts only when on, so other jobs keep their digest
+        everything["true_cfg_scale"] = cfg.sampler.true_cfg_scale
     kernels = output_kernels(cfg.kernels)
     if kernels:
         everything["kernels"] = kernels

@@ -109,12 +109,13 @@ class PromptCache:
         self.encoded += len(prompts)
 
 
-def planned_prompts(batches: Iterable) -> list[str]:
+def planned_prompts(batches: Iterable, negatives: bool = True) -> list[str]:
     """Every prompt the plan's batches ask for, in the order they ask: per batch its negative
-    prompts (the default for a row without one), then its prompts."""
+    prompts (the default for a row without one; none for a model without CFG), then its prompts."""
     order = []
     for batch in batches:
-        order += [negative_or_default(it.negative_prompt) for it in batch.items]
+        if negatives:
+            order += [negative_or_default(it.negative_prompt) for it in batch.items]
         order += [it.prompt for it in batch.items]
     return order
 
@@ -123,7 +124,7 @@ def prompt_cache(adapter: Adapter, batches: list, chunk: int, capacity: int, off
     """The job's prompt cache. With `offload`, every prompt of the plan is encoded now, kept in host
     memory, and the text encoders are released (a later new prompt raises a RuntimeError: the plan
     has none)."""
-    order = planned_prompts(batches)
+    order = planned_prompts(batches, adapter.uses_cfg)
     if not offload:
         cache = PromptCache(adapter.encode, chunk, capacity)
         cache.schedule(order)

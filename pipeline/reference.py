@@ -20,9 +20,10 @@ def to_levels(images: np.ndarray) -> np.ndarray:
     return (images * 255).round().astype("uint8")
 
 
-def pipeline_images(pipe, rows: list[dict], steps: int, guidance: float) -> dict[str, np.ndarray]:
+def pipeline_images(pipe, rows: list[dict], steps: int, guidance: float, **kwargs) -> dict[str, np.ndarray]:
     """{row id: uint8 [H, W, 3]} from a diffusers pipeline: DiT by class name (the row's prompt),
-    the text families by prompt and negative prompt (None -> "")."""
+    the text families by prompt and negative prompt (None -> ""), with `kwargs` for the pipeline
+    call (FluxPipeline: max_sequence_length, true_cfg_scale)."""
     name = type(pipe).__name__
     groups: dict[tuple[int, int], list[dict]] = {}
     for r in rows:
@@ -35,6 +36,7 @@ def pipeline_images(pipe, rows: list[dict], steps: int, guidance: float) -> dict
             images = pipe(class_labels=pipe.get_label_ids([r["prompt"] for r in group]), **common).images
         else:
             extra = dict(use_resolution_binning=False, clean_caption=False) if name.startswith("PixArt") else {}
+            extra.update(kwargs)
             images = pipe(prompt=[r["prompt"] for r in group],
                           negative_prompt=[r.get("negative_prompt") or "" for r in group],
                           height=height, width=width, **extra, **common).images
@@ -43,10 +45,10 @@ def pipeline_images(pipe, rows: list[dict], steps: int, guidance: float) -> dict
 
 
 def diffusers_images(directory: Path, rows: list[dict], steps: int, guidance: float,
-                     device: torch.device, dtype: torch.dtype) -> dict[str, np.ndarray]:
+                     device: torch.device, dtype: torch.dtype, **kwargs) -> dict[str, np.ndarray]:
     """`pipeline_images` of the diffusers pipeline saved in `directory` (model_index.json names its
-    class), loaded with `from_pretrained(torch_dtype=dtype)`."""
+    class), loaded with `from_pretrained(torch_dtype=dtype)`; `kwargs` for its calls."""
     name = json.loads((Path(directory) / "model_index.json").read_text())["_class_name"]
     pipe = getattr(diffusers, name).from_pretrained(directory, torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
-    return pipeline_images(pipe, rows, steps, guidance)
+    return pipeline_images(pipe, rows, steps, guidance, **kwargs)

@@ -19,6 +19,7 @@ the caller: `x, prev = sampler.step(i, x, eps, prev)`.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,11 +49,11 @@ SUPPORTED_OPTIONS: dict[str, dict[str, tuple[Any, ...]]] = {
         "final_sigmas_type": ("zero", "sigma_min"),
         "thresholding": (False,),
         "variance_type": (None,),  # learned variance is split off by the pipeline, not the scheduler
-        "use_dynamic_shifting": (False,),  # needs a per-resolution `mu` we are not given
+        "use_dynamic_shifting": (False,),  # a per-resolution `mu` here is not implemented (flow_euler's is)
     },
     "flow_euler": {
         "stochastic_sampling": (False,),
-        "use_dynamic_shifting": (False,),
+        "use_dynamic_shifting": (False, True),  # True: the model gives the resolution's shift (Flux: mu)
     },
     "ddim": {
         "prediction_type": ("epsilon", "v_prediction", "sample"),
@@ -274,11 +275,23 @@ def check_supported(name: str, scheduler_class: str, config: dict[str, Any]) -> 
             )
 
 
+def check_schedule(scheduler_class: str, schedule: dict[str, Any]) -> None:
+    """The model's schedule keywords (Flux: sigmas and the shift mu) must be ones this scheduler's
+    set_timesteps takes."""
+    cls = getattr(diffusers, scheduler_class)
+    unknown = sorted(set(schedule) - set(inspect.signature(cls.set_timesteps).parameters))
+    if unknown:
+        raise UserError(f"{scheduler_class} cannot run this model's schedule: its set_timesteps takes no {unknown}; "
+                        "use the checkpoint's own sampler (sampler=default)")
+
+
 def make_sampler(
-    name: str, scheduler_class: str, scheduler_config: dict[str, Any], steps: int, device: torch.device | str
+    name: str, scheduler_class: str, scheduler_config: dict[str, Any], steps: int, device: torch.device | str,
+    schedule: dict[str, Any] | None = None,
 ) -> Sampler:
     """name "default" -> the checkpoint's own scheduler; an explicit name builds SAMPLERS[name]
-    from the same config (diffusers ignores keys it does not know)."""
+    from the same config (diffusers ignores keys it does not know). `schedule`: the model's
+    set_timesteps keywords at the image size (Adapter.schedule_kwargs; {} for a fixed schedule)."""
     if name == "default":
         name = sampler_name_for(scheduler_class)
     if name not in SAMPLERS:
@@ -286,8 +299,13 @@ def make_sampler(
     if not isinstance(steps, int) or steps < 1:
         raise UserError(f"steps must be a positive int, got {steps!r}")
     cls = SAMPLERS[name]
+    schedule = schedule or {}
     scheduler = build_scheduler(name, cls, scheduler_config)
-    scheduler.set_timesteps(steps)  # on the CPU, as float32: the arithmetic below is diffusers' own
+    check_schedule(cls, schedule)
+    if scheduler.config.get("use_dynamic_shifting") and "mu" not in schedule:
+        raise UserError(f"{cls} option use_dynamic_shifting=True needs the shift of each resolution (mu), which only "
+                        "the flux family gives; set it false in the scheduler config")
+    scheduler.set_timesteps(steps, **schedule)  # on the CPU, as float32: the arithmetic below is diffusers' own
     rows = _ROWS[name](scheduler, steps)
     assert len(rows) == steps == len(scheduler.timesteps), (len(rows), steps, len(scheduler.timesteps))
     tables = {k: torch.stack([row[k] for row in rows]) for k in rows[0]}

@@ -31,8 +31,10 @@ GUIDANCE = 4.5
 # Max abs difference (levels of 255) measured on 2 CPU cores, torch 2.13, diffusers 0.42.1: 1 level,
 # at 1-2 pixels of an image, in every case; 0 when our batches have diffusers' shapes
 # (bcg.ladder=[3]). The rest is fp32 rounding of differently shaped matmuls (text encoder chunks of
-# 64 prompts vs diffusers' batch of 3; transformer buckets 2 + 1 vs 3).
-PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1, "dit": 1}
+# 64 prompts vs diffusers' batch of 3; transformer buckets 2 + 1 vs 3). The Flux cases likewise (0 for the
+# schnell-like ones); true CFG runs [negative; positive] as one batch where diffusers makes two calls.
+PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1, "dit": 1, "flux_dev": 1,
+                   "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1}
 
 TEXT_ROWS = [  # two sizes, >= 2 rows each; some rows with a negative prompt, some with the default ""
     dict(id="a", prompt="A Cat on a mat ", width=64, height=64, seed=1, negative_prompt="blurry"),
@@ -46,18 +48,36 @@ DIT_ROWS = [  # DiTPipeline generates at its native size only (64 px for tiny_di
     dict(id="b", prompt="tabby cat", width=64, height=64, seed=2),
     dict(id="c", prompt="tench", width=64, height=64, seed=3),
 ]
+FLUX_ROWS = [dict(r, negative_prompt=None) for r in TEXT_ROWS]  # Flux has no negative prompt without true CFG
+TRUE_CFG = 4.0
+# (model overrides, job overrides, diffusers' call keywords): both sides told the T5 length
+FLUX_DEV = ((), ("model.max_sequence_length=32",), {"max_sequence_length": 32})
+FLUX_SCHNELL = (  # FLUX.1-schnell-like: no guidance embedding, no shift, fewer T5 tokens
+    ("model.arch.transformer.guidance_embeds=false", "model.scheduler.config.shift=1.0",
+     "model.scheduler.config.use_dynamic_shifting=false"),
+    ("model.max_sequence_length=16",), {"max_sequence_length": 16},
+)
 ALPHA = (  # PixArt-Alpha at sample_size 128: resolution/aspect-ratio micro-conditions on (inner dim 24 = 3 x 8)
     "model.pipeline=PixArtAlphaPipeline", "model.arch.transformer.sample_size=128",
     "model.arch.transformer.attention_head_dim=12", "model.arch.transformer.cross_attention_dim=24",
 )
-CASES = {  # name -> (conf/model file, its overrides, job overrides, rows)
-    "pixart_sigma": ("tiny", (), (), TEXT_ROWS),
-    "pixart_alpha": ("tiny", ALPHA, (), TEXT_ROWS),
-    "sd3": ("tiny_sd3", (), (), TEXT_ROWS),
+CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffusers' call keywords)
+    "pixart_sigma": ("tiny", (), (), TEXT_ROWS, {}),
+    "pixart_alpha": ("tiny", ALPHA, (), TEXT_ROWS, {}),
+    "sd3": ("tiny_sd3", (), (), TEXT_ROWS, {}),
     # bcg.scope=step: our graph-safe flow-matching Euler instead of diffusers' scheduler object
-    "sd3_step": ("tiny_sd3", (), ("bcg.scope=step",), TEXT_ROWS),
-    "dit": ("tiny_dit", (), (), DIT_ROWS),
+    "sd3_step": ("tiny_sd3", (), ("bcg.scope=step",), TEXT_ROWS, {}),
+    "dit": ("tiny_dit", (), (), DIT_ROWS, {}),
+    # FLUX.1-dev-like (guidance embedding, resolution-dependent shift) and FLUX.1-schnell-like
+    "flux_dev": ("tiny_flux", FLUX_DEV[0], FLUX_DEV[1], FLUX_ROWS, FLUX_DEV[2]),
+    "flux_dev_step": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "bcg.scope=step"), FLUX_ROWS, FLUX_DEV[2]),
+    "flux_schnell": ("tiny_flux", FLUX_SCHNELL[0], FLUX_SCHNELL[1], FLUX_ROWS, FLUX_SCHNELL[2]),
+    "flux_schnell_step": ("tiny_flux", FLUX_SCHNELL[0], (*FLUX_SCHNELL[1], "bcg.scope=step"), FLUX_ROWS, FLUX_SCHNELL[2]),
+    # diffusers' true CFG: negative prompts, [negative; positive] in one batch
+    "flux_true_cfg": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], f"sampler.true_cfg_scale={TRUE_CFG}"), TEXT_ROWS,
+                      {**FLUX_DEV[2], "true_cfg_scale": TRUE_CFG}),
 }
+
 
 def save_random_model(model: str, overrides: tuple[str, ...], directory: Path) -> Path:
     cfg = job_config(f"model={model}", *overrides, "manifest.path=m", "output.dir=o").model
@@ -66,7 +86,7 @@ def save_random_model(model: str, overrides: tuple[str, ...], directory: Path) -
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
-    model, model_overrides, job_overrides, rows = CASES[case]
+    model, model_overrides, job_overrides, rows, reference_kwargs = CASES[case]
     directory = save_random_model(model, model_overrides, tmp_path / "model")
     manifest = write_manifest(tmp_path / "m.parquet", rows)
     report = run(cpu_job(
@@ -75,7 +95,7 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
     ))
     assert report["images"]["ok"] == len(rows) and report["model"] == "model"
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
-    reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32)
+    reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32, **reference_kwargs)
     worst = 0
     for r in rows:
         ours = png(tmp_path / "out" / "images" / f"{r['id']}.png").astype(int)

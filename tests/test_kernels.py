@@ -40,6 +40,16 @@ def inputs(adapter, side=64, n=2, seed=0):
     return x
 
 
+def random_inputs(adapter, side=64, n=2):
+    """n rows of every input of the adapter's step, standard normal (timestep 500)."""
+    x = StaticInputs.allocate(adapter.input_specs(side, side), n, torch.device("cpu")).view(n)
+    gen = torch.Generator().manual_seed(0)
+    for value in x.values():
+        value.copy_(torch.randn(value.shape, generator=gen))
+    x["t"].fill_(500.0)
+    return x
+
+
 def test_chosen_sdpa_backend_serves_the_attention_calls(tiny):
     x = inputs(tiny)
     calls = probe_attention(lambda: with_attention(tiny.guided_eps, "math", "cpu")(x))
@@ -97,6 +107,74 @@ def test_fp8_without_compile_says_what_it_costs(tiny, monkeypatch, caplog):
     assert "float8 without kernels.compile" not in caplog.text
 
 
+# Rowwise float8 e4m3 (3 mantissa bits: each value within 1/16 of itself) for both operands of a
+# matmul; measured on the CPU: 3.6% relative (Frobenius) error on a random 256 -> 128 layer.
+FP8_LINEAR_REL_ERR = 0.06
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_is_close_to_the_matmul_it_replaces(dtype):
+    from pipeline.kernels.fp8 import FP8, to_fp8
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 128).to(dtype)
+    x = torch.randn(3, 33, 256).to(dtype)
+    x[1, 5] = 0  # a padded row: zeros in, the bias out (no NaN from a zero scale)
+    with torch.no_grad():
+        reference = linear(x)
+        to_fp8(linear)
+        out = linear(x)
+    assert linear.weight.dtype == FP8 and out.dtype == dtype and out.shape == reference.shape
+    assert rel_err(out, reference) < FP8_LINEAR_REL_ERR
+    assert torch.equal(out[1, 5], linear.bias.to(dtype))
+
+
+def test_fp8_converts_the_blocks_linear_layers_and_keeps_the_model_dtype():
+    from pipeline.kernels.fp8 import FP8, quantize_fp8
+
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    x = random_inputs(flux)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+        layers = quantize_fp8(flux.transformer)
+        out = flux.guided_eps(x)
+    t = flux.transformer
+    assert layers == 12 + 2 * 5  # a double block: 8 attention + 4 feed-forward; a single block: q, k, v, mlp, out
+    assert t.transformer_blocks[0].attn.to_q.weight.dtype == FP8 and t.single_transformer_blocks[1].proj_out.weight.dtype == FP8
+    assert t.transformer_blocks[0].norm1.linear.weight.dtype == torch.float32  # one row per image: stays
+    assert t.proj_out.weight.dtype == t.x_embedder.weight.dtype == flux.dtype == torch.float32
+    assert rel_err(out, reference) < FP8_LINEAR_REL_ERR
+
+
+def test_fp8_blocks_compile_as_one_graph_that_computes_what_eager_does():
+    """The quantization is plain torch ops and torch._scaled_mm one op: dynamo traces the layers'
+    instance forward inside a full-graph compile (inductor fuses the rest)."""
+    from pipeline.kernels.fp8 import to_fp8
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"),
+                                torch.nn.Linear(128, 64)).to(torch.bfloat16)
+    for layer in (block[1], block[3]):
+        to_fp8(layer)
+    x = torch.randn(2, 40, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = block(x)
+        block.compile(fullgraph=True)
+        compiled = block(x)
+    assert rel_err(compiled, eager) < 0.01
+
+
+def test_fp8_is_offered_for_pixart_and_flux_with_compile():
+    for family in ("pixart", "flux"):
+        check_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), family)
+    with pytest.raises(UserError, match=r"kernels.fp8=true: .*model families \['pixart', 'flux'\], not 'sd3'"):
+        check_kernels(KernelsConfig(fp8=True), "sd3")
+
+
 def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
     x = inputs(tiny)
     with torch.no_grad():
@@ -119,10 +197,7 @@ def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
 
 def test_fused_projections_in_sd3_compute_the_same():
     sd3 = build_model(model_config("tiny_sd3"), torch.device("cpu"), torch.float32)
-    x = StaticInputs.allocate(sd3.input_specs(64, 64), 2, torch.device("cpu")).view(2)
-    gen = torch.Generator().manual_seed(0)
-    for value in x.values():
-        value.copy_(torch.randn(value.shape, generator=gen))
+    x = random_inputs(sd3)
     with torch.no_grad():
         reference = sd3.guided_eps(x)
     report = apply_kernels(KernelsConfig(fuse_qkv=True), sd3, None, shapes=1)
@@ -165,10 +240,12 @@ def test_job_reports_the_attention_backend_and_kernels_are_settings(tmp_path):
 
 def test_kernel_options_that_change_no_image_are_not_settings(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
-    run(cpu_job(manifest, tmp_path / "out"))
+    first = run(cpu_job(manifest, tmp_path / "out"))
+    image = tmp_path / "out" / "images" / "a.png"
+    written = image.stat().st_mtime_ns
     again = run(cpu_job(manifest, tmp_path / "out", "kernels.compile_mode=max-autotune-no-cudagraphs",  # compile is off
                         f"kernels.compile_cache_dir={tmp_path / 'cache'}"))  # where compiles are kept, not what they compute
-    assert again["images"]["skipped"] == 1 and again["images"]["ok"] == 0
+    assert again["images"] == first["images"] and image.stat().st_mtime_ns == written  # no conflict, nothing redone
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ from pipeline.prompts import PromptCache, planned_prompts, prompt_cache
 
 CPU = torch.device("cpu")
 # conf/model files small enough to build in a test, and the real-size ones (limits only).
-CHEAP = {"tiny": (16, 256), "tiny_sd3": (16, 256), "tiny_dit": (64, 64)}
-HUGE = {"pixart_sigma": (16, 2048), "sd3_medium": (16, 2048), "dit_xl_2_256": (256, 256)}
+CHEAP = {"tiny": (16, 256), "tiny_sd3": (16, 256), "tiny_dit": (64, 64), "tiny_flux": (16, 256)}
+HUGE = {"pixart_sigma": (16, 2048), "sd3_medium": (16, 2048), "dit_xl_2_256": (256, 256), "flux_dev": (16, 2048),
+        "flux_schnell": (16, 2048)}
 
 
 def model_cfg(*overrides: str):
@@ -50,7 +51,10 @@ def test_cheap_models_build_on_cpu_and_step(name):
     cond = adapter.encode([prompt, ""])
     specs = adapter.input_specs(side, side)
     inputs = {"x": torch.randn(1, *specs["x"].shape), "t": torch.full((1,), 500.0), "g": torch.full((1,), 4.5)}
-    inputs.update({k: torch.stack([v[1], v[0]])[None] for k, v in cond.items()})  # [1, 2, ...]: negative, positive
+    if adapter.uses_cfg:  # [1, 2, ...]: negative, positive
+        inputs.update({k: torch.stack([v[1], v[0]])[None] for k, v in cond.items()})
+    else:  # [1, 1, ...]: the prompt (Flux: guidance-distilled)
+        inputs.update({k: v[:1, None] for k, v in cond.items()})
     inputs.update(adapter.size_inputs(side, side, 1))
     assert {k: tuple(v.shape[1:]) for k, v in inputs.items()} == {k: s.shape for k, s in specs.items()}
     eps = adapter.guided_eps(inputs)
@@ -98,7 +102,7 @@ def test_unsupported_pipeline_class_names_the_supported_ones(tmp_path):
         model_limits(pretrained(tmp_path))
     message = str(err.value)
     assert "StableDiffusionXLPipeline" in message
-    for cls in ("PixArtSigmaPipeline", "PixArtAlphaPipeline", "StableDiffusion3Pipeline", "DiTPipeline"):
+    for cls in ("PixArtSigmaPipeline", "PixArtAlphaPipeline", "StableDiffusion3Pipeline", "DiTPipeline", "FluxPipeline"):
         assert cls in message
     assert all(family in message for family in FAMILIES)
 

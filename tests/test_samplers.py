@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 import diffusers
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -105,9 +106,10 @@ def noise() -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
 
 
-def run_diffusers(cls: str, config: dict, steps: int, model: Model) -> tuple[torch.Tensor, list[float]]:
+def run_diffusers(cls: str, config: dict, steps: int, model: Model,
+                  schedule: dict | None = None) -> tuple[torch.Tensor, list[float]]:
     s = getattr(diffusers, cls).from_config(config)
-    s.set_timesteps(steps)
+    s.set_timesteps(steps, **(schedule or {}))
     x = noise() * getattr(s, "init_noise_sigma", 1.0)  # FlowMatchEuler has neither attribute
     scale = getattr(s, "scale_model_input", lambda x, t: x)
     ts = []
@@ -130,12 +132,14 @@ def run_ours(sampler: Sampler, model: Model) -> tuple[torch.Tensor, list[float]]
     return x, ts
 
 
-def compare(name: str, cls: str, config: dict, steps: int, ref_cls: str | None = None) -> float:
-    """Max abs difference of our final latents from those of diffusers' `ref_cls` (default: `cls`)."""
+def compare(name: str, cls: str, config: dict, steps: int, ref_cls: str | None = None,
+            schedule: dict | None = None) -> float:
+    """Max abs difference of our final latents from those of diffusers' `ref_cls` (default: `cls`);
+    `schedule`: set_timesteps keywords of the image size (Flux's sigmas and mu)."""
     ref_cls = ref_cls or cls
     model = denoiser(ref_cls, config)
-    ref, ref_ts = run_diffusers(ref_cls, config, steps, model)
-    out, ts = run_ours(make_sampler(name, cls, config, steps, "cpu"), model)
+    ref, ref_ts = run_diffusers(ref_cls, config, steps, model, schedule)
+    out, ts = run_ours(make_sampler(name, cls, config, steps, "cpu", schedule), model)
     assert ts == ref_ts
     assert torch.isfinite(ref).all() and ref.abs().max() < 10  # the denoiser keeps latents O(1)
     diff = (out - ref).abs().max().item()
@@ -165,6 +169,31 @@ def test_ddim_variants_match_diffusers(variant: str):
 @pytest.mark.parametrize("config", [{**SD3, "shift": 1.0}, {**SD3, "use_karras_sigmas": True}])
 def test_flow_variants_match_diffusers(config: dict):
     compare("flow_euler", "FlowMatchEulerDiscreteScheduler", config, 20)
+
+
+FLUX_DEV = OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/flux_dev.yaml").scheduler.config)
+
+
+@pytest.mark.parametrize("side", [512, 1024])
+def test_flux_schedule_of_each_resolution_matches_diffusers(side: int):
+    """FluxPipeline's schedule: sigmas linspace(1, 1/steps, steps), shifted by the mu of the image's
+    patch count; the tables differ per resolution."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    steps = 8
+    schedule = {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": calculate_shift((side // 16) ** 2)}
+    compare("flow_euler", "FlowMatchEulerDiscreteScheduler", FLUX_DEV, steps, schedule=schedule)
+    other = {**schedule, "mu": calculate_shift(32**2 if side != 512 else 64**2)}
+    tables = [make_sampler("default", "FlowMatchEulerDiscreteScheduler", FLUX_DEV, steps, "cpu", s).tables
+              for s in (schedule, other)]
+    assert not torch.equal(tables[0]["timestep"], tables[1]["timestep"])
+
+
+def test_dynamic_shifting_needs_the_models_shift():
+    with pytest.raises(ValueError, match="needs the shift of each resolution"):
+        make_sampler("default", "FlowMatchEulerDiscreteScheduler", FLUX_DEV, 8, "cpu")
+    with pytest.raises(ValueError, match=r"takes no \['sigmas'\]"):
+        make_sampler("dpmpp_2m", "FlowMatchEulerDiscreteScheduler", TINY, 8, "cpu", {"sigmas": [1.0], "mu": 1.0})
 
 
 def test_explicit_sampler_on_a_pixart_config():

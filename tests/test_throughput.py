@@ -38,6 +38,8 @@ def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest, scope):
     # the job runs the plan that was predicted: the measured step times are the planner's costs
     assert (report["batches"], report["padded_rows"]) == (best["batches"], best["padded_rows"])
     assert json.loads((out / SAVED).read_text())["ladder"] == auto["chosen"]
+    for done in (out / "parts").glob("*.json"):  # as if the process died after its last commit: the job runs again
+        done.unlink()
     again = run(cpu_job(manifest, out, *AUTO, f"bcg.scope={scope}"))  # resumed: the saved ladder, same plan
     assert again["ladder"] == auto["chosen"] and again["images"]["skipped"] == 7 and again["ladder_auto"] is None
 

@@ -68,6 +68,9 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FUSE_RESIDUAL: (("pixart",), "the block it rewrites is PixArt's (model families {families}), not {family!r}'s"),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
+    # fp8 goes with kernels.compile (which fuses the activations' quantization) and under our graphs.
+    FP8: (("pixart", "flux"), "its float8 blocks are measured against bf16 (speed and PSNR, docs/BENCHMARKS.md) for "
+                              "model families {families}, not {family!r}"),
 }
 
 # (option, option it cannot be combined with, why the first excludes the second)

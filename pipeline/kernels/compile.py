@@ -72,10 +72,11 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     elif dynamic:
         broadcast_attention_masks(transformer)
     if scope == "blocks":
-        # diffusers compiles every submodule whose class is listed in `_repeated_blocks`; these
-        # families do not list theirs, so name the class of the first of `transformer_blocks`
-        # (an attribute of this instance, shadowing the class's).
-        transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
+        # diffusers compiles every submodule whose class is listed in `_repeated_blocks` (Flux lists
+        # its two kinds); PixArt, SD3 and DiT do not list theirs, so name the class of the first of
+        # `transformer_blocks` (an attribute of this instance, shadowing the class's).
+        if not type(transformer)._repeated_blocks:
+            transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
         contiguous_block_input(transformer)
         transformer.compile_repeated_blocks(dynamic=dynamic, fullgraph=True, **how)
     elif scope == "model":

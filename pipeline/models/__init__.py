@@ -17,18 +17,18 @@ import torch
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import BadRow, Item
-from pipeline.models import dit, pixart, sd3
+from pipeline.models import dit, flux, pixart, sd3
 from pipeline.models.source import (Source, config_value, force_offline, model_name, quiet_diffusers, read_pipeline_dir,
                                     vae_scale_factor)
 
 __all__ = [
     "FAMILIES", "attention_pixels", "build_model", "check_items", "model_labels", "model_limits", "model_source", "quiet_diffusers",
-    "save_diffusers", "to_diffusers",
+    "save_diffusers", "to_diffusers", "with_true_cfg",
 ]
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {"pixart": pixart, "sd3": sd3, "dit": dit}
+FAMILIES = {"pixart": pixart, "sd3": sd3, "dit": dit, "flux": flux}
 # diffusers pipeline class -> family
 PIPELINES = {cls: name for name, module in FAMILIES.items() for cls in module.PIPELINES}
 
@@ -88,21 +88,62 @@ def attention_pixels(cfg: ModelConfig) -> float:
     return 6.0 * hidden * token_side**2
 
 
-def check_items(cfg: ModelConfig, items: list[Item], bad: list[BadRow]) -> tuple[list[Item], list[BadRow]]:
-    """The family's own row checks (DiT: class names, no negative prompt), without weights: rows
-    that fail join `bad`, sorted by row, so manifest.on_invalid treats them like any bad row."""
+def check_items(cfg: ModelConfig, items: list[Item], bad: list[BadRow],
+                true_cfg_scale: float = 1.0) -> tuple[list[Item], list[BadRow]]:
+    """The family's own row checks (DiT: class names, no negative prompt; a guidance-distilled
+    family without true CFG: no negative prompt), without weights: rows that fail join `bad`,
+    sorted by row, so manifest.on_invalid treats them like any bad row."""
     source = model_source(cfg)
-    check = FAMILIES[source.family].item_check(source)
-    if check is None:
+    checks = [c for c in (FAMILIES[source.family].item_check(source), negative_check(source, true_cfg_scale)) if c]
+    if not checks:
         return items, bad
     good, failed = [], []
     for item in items:
-        reasons = check(item)
+        reasons = [reason for check in checks for reason in check(item)]
         if reasons:
             failed.append(BadRow(item.row, item.id, tuple(reasons)))
         else:
             good.append(item)
     return good, sorted(bad + failed, key=lambda b: b.row)
+
+
+def runs_cfg(family: str, true_cfg_scale: float) -> bool:
+    """Whether a step runs a CFG batch (2B rows): always for a family guided by CFG; for a
+    guidance-distilled one (flux) with diffusers' true CFG only (sampler.true_cfg_scale > 1)."""
+    if true_cfg_scale < 1.0:
+        raise UserError(f"sampler.true_cfg_scale={true_cfg_scale} must be >= 1 (1: off; above 1: diffusers' true CFG "
+                        "for guidance-distilled models)")
+    if FAMILIES[family].DISTILLED:
+        return true_cfg_scale > 1.0
+    if true_cfg_scale != 1.0:
+        distilled = sorted(name for name, module in FAMILIES.items() if module.DISTILLED)
+        raise UserError(f"sampler.true_cfg_scale={true_cfg_scale} is for guidance-distilled families {distilled}; "
+                        f"{family!r} runs classifier-free guidance at sampler.guidance_scale: leave "
+                        "sampler.true_cfg_scale=1.0")
+    return True
+
+
+def negative_check(source: Source, true_cfg_scale: float):
+    """A row's negative prompt, where the model has no use for it: a reason, not a silent drop."""
+    if runs_cfg(source.family, true_cfg_scale):
+        return None
+
+    def check(item: Item) -> list[str]:
+        if item.negative_prompt is None:
+            return []
+        return [f"negative_prompt {item.negative_prompt!r} has no use in {source.family} without true CFG "
+                "(guidance-distilled: one forward per row, no negative branch); leave it null, or set "
+                "sampler.true_cfg_scale above 1 for diffusers' true CFG"]
+
+    return check
+
+
+def with_true_cfg(adapter, true_cfg_scale: float):
+    """The adapter this job runs: itself, or with sampler.true_cfg_scale > 1 on a guidance-distilled
+    family, a copy over the same modules that runs diffusers' true CFG (2B rows)."""
+    if runs_cfg(adapter.family, true_cfg_scale) and FAMILIES[adapter.family].DISTILLED:
+        return adapter.with_true_cfg(true_cfg_scale)
+    return adapter
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
@@ -115,7 +156,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
 
 
 def to_diffusers(adapter):
-    """diffusers' own pipeline (PixArtSigmaPipeline, StableDiffusion3Pipeline, DiTPipeline, ...) over
+    """diffusers' own pipeline (PixArtSigmaPipeline, StableDiffusion3Pipeline, DiTPipeline, FluxPipeline) over
     the adapter's modules: the same weights, for parity checks and benchmarks."""
     return FAMILIES[adapter.family].to_diffusers(adapter)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 from typing import Any, Callable, Protocol
 
+import diffusers
 import torch
 
 from bcg.buffers import InputSpec
@@ -29,6 +30,10 @@ class Adapter(Protocol):
     scheduler_config: dict[str, Any]
     transformer: torch.nn.Module  # the denoiser, whose kernels pipeline.kernels sets
     vae: torch.nn.Module
+    # True: a step is one forward over [negative; positive] conditioning (2B rows) and a guidance
+    # combine, conditioning inputs [B, 2, ...]. False (guidance-distilled, e.g. Flux): one forward
+    # over the prompts (B rows), conditioning [B, 1, ...], and a negative prompt has no use.
+    uses_cfg: bool
 
     @property
     def device(self) -> torch.device: ...
@@ -48,15 +53,21 @@ class Adapter(Protocol):
         ratio micro-conditions), each [n, ...] on `device`; {} for most families. They are inputs,
         not constants, so nothing about a row's size is baked into a captured graph's code."""
 
+    def schedule_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
+        """Keywords of the scheduler's `set_timesteps` beyond the step count at this image size: {}
+        for a fixed schedule; Flux: its sigmas and the resolution's shift `mu`."""
+
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
-        """Per-row inputs of `guided_eps`: "x" (latents), "t" (timestep, float32), "g" (guidance,
-        float32), every conditioning name with shape [2, ...] (index 0 negative, 1 positive), and
-        the names of `size_inputs`."""
+        """Per-row inputs of `guided_eps`: "x" (latents), "t" (timestep, float32), "g" (the
+        guidance scale, float32: CFG's, or the guidance embedding's), every conditioning name with
+        shape [2, ...] (index 0 negative, 1 positive; [1, ...], the prompt, without CFG), and the
+        names of `size_inputs`."""
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One CFG step, graph-safe (no host sync, no Python values that change between calls):
-        a forward over the negative and positive conditioning (2B rows) and the guidance combine
-        -> the model output the scheduler steps with, [B, C, h, w]."""
+        """One step's model output, graph-safe (no host sync, no Python values that change between
+        calls): with CFG a forward over the negative and positive conditioning (2B rows) and the
+        guidance combine, without it a forward over the prompts (B rows) -> the model output the
+        scheduler steps with, [B, C, h, w]."""
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """latents [B, C, h, w] -> images [B, 3, H, W] in [-1, 1]."""
@@ -70,6 +81,9 @@ class Family(Protocol):
 
     PIPELINES: tuple[str, ...]  # diffusers pipeline classes it loads; the first one for random weights
     TRANSFORMER: type  # the diffusers transformer class, whose defaults fill the config's gaps
+    # False: guided by CFG (2B rows, always). True: guidance-distilled, B rows and no negative prompt,
+    # unless sampler.true_cfg_scale > 1 asks for diffusers' true CFG (the adapter's `with_true_cfg`).
+    DISTILLED: bool
 
     def limits(self, source: Source, cfg: ModelConfig) -> tuple[int, int]:
         """(pixel granularity, largest side) from configs alone, no weights."""
@@ -98,11 +112,31 @@ def free_memory() -> None:
 
 
 class TransformerVAE:
-    """What every family shares: a denoising `transformer` and a `vae`. Device, dtype and latent
-    shapes follow from them (each family keeps its own decode: diffusers' expressions differ)."""
+    """What every family shares: a denoising `transformer`, a `vae` and the checkpoint's scheduler.
+    Device, dtype and latent shapes follow from them (each family keeps its own decode: diffusers'
+    expressions differ)."""
 
-    transformer: torch.nn.Module
-    vae: torch.nn.Module
+    uses_cfg = True
+
+    def __init__(self, name: str, pipeline: str, transformer: torch.nn.Module, vae: torch.nn.Module,
+                 scheduler_class: str, scheduler_config: dict[str, Any], max_side: int):
+        self.name = name
+        self.pipeline = pipeline
+        self.transformer = transformer.eval()
+        self.vae = vae.eval()
+        self.scheduler_class = scheduler_class
+        self.scheduler_config = dict(scheduler_config)
+        self.max_side = max_side
+
+    def new_scheduler(self):
+        """A fresh scheduler per batch: diffusers' schedulers keep per-run state (step index, history)."""
+        return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
+
+    def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def schedule_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
+        return {}
 
     @property
     def device(self) -> torch.device:
@@ -123,3 +157,18 @@ class TransformerVAE:
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         f = self.vae_scale_factor
         return (self.latent_channels, height // f, width // f)
+
+
+def decode_shifted(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """SD3's and Flux's decode: `latents / scaling_factor + shift_factor` through the VAE -> images
+    [B, 3, H, W] in [-1, 1]."""
+    latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+    return vae.decode(latents, return_dict=False)[0]
+
+
+def pipeline_over(adapter: TransformerVAE, encoders: dict[str, Any], tokenizers: dict[str, Any]) -> Any:
+    """diffusers' own `adapter.pipeline` class over the adapter's modules (the same weights), the
+    text encoders and tokenizers under their names in that pipeline (text_encoder, tokenizer_2, ...)."""
+    return getattr(diffusers, adapter.pipeline)(
+        transformer=adapter.transformer, vae=adapter.vae, scheduler=adapter.new_scheduler(), **encoders, **tokenizers
+    )

@@ -31,6 +31,7 @@ from pipeline.models.source import (
 
 PIPELINES = ("DiTPipeline",)
 TRANSFORMER = DiTTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
+DISTILLED = False  # guided by CFG: every step runs the class and the null class (2B rows)
 NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the unconditional half of CFG
 
 
@@ -48,16 +49,11 @@ class DiTAdapter(TransformerVAE):
         scheduler_config: dict[str, Any],
         pipeline: str = PIPELINES[0],
     ):
-        self.name = name
-        self.pipeline = pipeline
-        self.transformer = transformer.eval()
-        self.vae = vae.eval()
+        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side=0)
         self.labels = labels
         self.id2label = id2label
-        self.scheduler_class = scheduler_class
-        self.scheduler_config = dict(scheduler_config)
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
-        self.max_side = self.granularity = transformer.config.sample_size * self.vae_scale_factor
+        self.max_side = self.granularity = transformer.config.sample_size * self.vae_scale_factor  # native only
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """class names (N) -> {"y": [N] int64 class ids}; "" (the default negative prompt, and the
@@ -67,9 +63,6 @@ class DiTAdapter(TransformerVAE):
             raise UserError(f"model {self.name}: not class names of this DiT model: {unknown}")
         ids = [self.labels[p] if p else NULL_CLASS for p in prompts]
         return {"y": torch.tensor(ids, dtype=torch.int64, device=self.device)}
-
-    def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
-        return {}
 
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         return {
@@ -92,9 +85,6 @@ class DiTAdapter(TransformerVAE):
         )[0]
         cond, uncond = out[:, :c].chunk(2)
         return (uncond + g.view(b, 1, 1, 1) * (cond - uncond)).to(x.dtype)
-
-    def new_scheduler(self):
-        return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

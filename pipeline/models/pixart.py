@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-import diffusers
 import torch
 from diffusers import AutoencoderKL, PixArtTransformer2DModel
 from transformers import PreTrainedTokenizerBase, T5Config, T5EncoderModel
@@ -19,7 +18,7 @@ from transformers import PreTrainedTokenizerBase, T5Config, T5EncoderModel
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
-from pipeline.models.base import TransformerVAE, free_memory, released_message
+from pipeline.models.base import TransformerVAE, free_memory, pipeline_over, released_message
 from pipeline.models.source import (
     Source,
     config_value,
@@ -34,6 +33,7 @@ from pipeline.transfer import to_device
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
 PIPELINES = (SIGMA, ALPHA)
 TRANSFORMER = PixArtTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
+DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
 TEXT_LENGTH_MULTIPLE = 64  # kernels.trim_text_padding rounds the text length up to this many tokens
 
 
@@ -63,17 +63,11 @@ class PixArtAdapter(TransformerVAE):
         max_side: int,
         pipeline: str = SIGMA,
     ):
-        self.name = name
-        self.pipeline = pipeline
-        self.transformer = transformer.eval()
-        self.vae = vae.eval()
+        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side)
         self.text_encoder = text_encoder.eval() if text_encoder is not None else None
         self.tokenizer = tokenizer
-        self.scheduler_class = scheduler_class
-        self.scheduler_config = dict(scheduler_config)
         self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[pipeline]
         self.text_length = self.max_sequence_length  # tokens per encoded prompt: see fit_text_length
-        self.max_side = max_side
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
         self.micro_conditions = pipeline == ALPHA and transformer.config.sample_size == MICRO_CONDITION_SAMPLE_SIZE
@@ -177,10 +171,6 @@ class PixArtAdapter(TransformerVAE):
         g = g.view(b, 1, 1, 1)
         return (uncond + g * (cond - uncond)).to(x.dtype)
 
-    def new_scheduler(self):
-        """A fresh scheduler per batch: diffusers' schedulers keep per-run state (step index, history)."""
-        return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """latents [B,C,h,w] -> images [B,3,H,W] in [-1, 1] (float, unclamped)."""
@@ -233,10 +223,4 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
 
 
 def to_diffusers(adapter: PixArtAdapter):
-    return getattr(diffusers, adapter.pipeline)(
-        tokenizer=adapter.tokenizer,
-        text_encoder=adapter.text_encoder,
-        vae=adapter.vae,
-        transformer=adapter.transformer,
-        scheduler=adapter.new_scheduler(),
-    )
+    return pipeline_over(adapter, {"text_encoder": adapter.text_encoder}, {"tokenizer": adapter.tokenizer})

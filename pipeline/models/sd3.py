@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import diffusers
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, SD3Transformer2DModel
@@ -22,7 +21,7 @@ from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import Item
-from pipeline.models.base import TransformerVAE, free_memory, released_message
+from pipeline.models.base import TransformerVAE, decode_shifted, free_memory, pipeline_over, released_message
 from pipeline.models.source import (
     Source,
     build_random_modules,
@@ -37,6 +36,7 @@ from pipeline.transfer import to_device
 
 PIPELINES = ("StableDiffusion3Pipeline",)
 TRANSFORMER = SD3Transformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
+DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default T5 tokens per prompt
 CLIPS = ("text_encoder", "text_encoder_2")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
@@ -58,16 +58,10 @@ class SD3Adapter(TransformerVAE):
         max_side: int,
         pipeline: str = PIPELINES[0],
     ):
-        self.name = name
-        self.pipeline = pipeline
-        self.transformer = transformer.eval()
-        self.vae = vae.eval()
+        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side)
         self.text_encoders = dict(text_encoders)
         self.tokenizers = dict(tokenizers)
-        self.scheduler_class = scheduler_class
-        self.scheduler_config = dict(scheduler_config)
         self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH
-        self.max_side = max_side
         # diffusers pads both CLIPs to the first tokenizer's model_max_length (77 for CLIP)
         self.clip_length = self.tokenizers["tokenizer"].model_max_length
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
@@ -102,9 +96,6 @@ class SD3Adapter(TransformerVAE):
         tokens = pad_tokens(self.tokenizers["tokenizer_3"], prompts, self.max_sequence_length)
         return encoder(to_device(tokens.input_ids, encoder.device))[0].to(encoder.dtype)
 
-    def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
-        return {}
-
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         cfg = self.transformer.config
         return {
@@ -132,13 +123,9 @@ class SD3Adapter(TransformerVAE):
         uncond, cond = out.chunk(2)
         return (uncond + g.view(b, 1, 1, 1) * (cond - uncond)).to(x.dtype)
 
-    def new_scheduler(self):
-        return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        return self.vae.decode(latents, return_dict=False)[0]
+        return decode_shifted(self.vae, latents)
 
     def release_text_encoders(self) -> None:
         self.text_encoders = {name: None for name in self.text_encoders}
@@ -212,15 +199,4 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
 
 
 def to_diffusers(adapter: SD3Adapter):
-    enc, tok = adapter.text_encoders, adapter.tokenizers
-    return getattr(diffusers, adapter.pipeline)(
-        transformer=adapter.transformer,
-        scheduler=adapter.new_scheduler(),
-        vae=adapter.vae,
-        text_encoder=enc["text_encoder"],
-        tokenizer=tok["tokenizer"],
-        text_encoder_2=enc["text_encoder_2"],
-        tokenizer_2=tok["tokenizer_2"],
-        text_encoder_3=enc["text_encoder_3"],
-        tokenizer_3=tok.get("tokenizer_3"),
-    )
+    return pipeline_over(adapter, adapter.text_encoders, {"tokenizer_3": None, **adapter.tokenizers})  # T5 may be absent

@@ -1,0 +1,223 @@
+"""FLUX.1 (dev and schnell): CLIP-L pooled + T5 conditioning, the Flux MM-DiT over packed 2x2
+latents with rotary position ids, flow matching with a resolution-dependent shift, the 16-channel VAE.
+
+Mirrors diffusers' FluxPipeline:
+- prompts as its `encode_prompt`: CLIP-L's pooled output (77 tokens) and T5's last hidden state
+  (`max_sequence_length` tokens: 512 for dev, 256 for schnell), no attention masks;
+- latents drawn per row unpacked, [1, 16, H/8, W/8] (pipeline.noise, as its prepare_latents), and
+  packed into 2x2 patches [B, H/16 * W/16, 64] for each transformer call. Between steps they stay
+  unpacked here: packing is a permutation and the Euler update is elementwise, so every value is
+  the one diffusers computes on its packed tensor;
+- text ids zero, image ids (0, row, column) of each patch; the transformer's timestep is
+  t / 1000 in the model dtype; FLUX.1-dev's guidance embedding reads sampler.guidance_scale;
+- the schedule: sigmas linspace(1, 1 / steps, steps) shifted by mu = calculate_shift(the image's
+  patch count), so it depends on the resolution (`schedule_kwargs`);
+- `latents / scaling_factor + shift_factor` before decoding.
+
+Flux is guidance-distilled: one forward per row (B rows) and no negative prompt. diffusers' optional
+true CFG (`true_cfg_scale` > 1 with a negative prompt) is `with_true_cfg`: one forward over
+[negative; positive] (2B rows) combined with that scale.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from bcg.buffers import InputSpec
+from pipeline.config import ModelConfig
+from pipeline.manifest import Item
+from pipeline.models.base import TransformerVAE, decode_shifted, free_memory, pipeline_over, released_message
+from pipeline.models.source import Source, default_max_side, load_component, make_modules, vae_scale_factor
+from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
+from pipeline.transfer import to_device
+
+PIPELINES = ("FluxPipeline",)
+TRANSFORMER = FluxTransformer2DModel  # its config keys (heads, head dim) and their defaults
+DISTILLED = True  # no CFG batch unless sampler.true_cfg_scale asks for diffusers' true CFG
+MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 tokens per prompt (FLUX.1-schnell's checkpoints use 256)
+PACK = 2  # latents are packed in 2x2 patches
+NATIVE_LATENT_SIDE = 128  # FluxPipeline.default_sample_size: 1024 px at the VAE's 8x
+ENCODERS = ("text_encoder", "text_encoder_2")  # CLIP-L, T5
+TOKENIZERS = ("tokenizer", "tokenizer_2")
+
+
+class FluxAdapter(TransformerVAE):
+    family = "flux"
+    uses_cfg = False  # with_true_cfg: True
+
+    def __init__(
+        self,
+        name: str,
+        transformer: FluxTransformer2DModel,
+        vae: AutoencoderKL,
+        text_encoders: dict[str, torch.nn.Module | None],  # text_encoder (CLIP-L), text_encoder_2 (T5)
+        tokenizers: dict[str, Any],  # tokenizer, tokenizer_2
+        scheduler_class: str,
+        scheduler_config: dict[str, Any],
+        max_sequence_length: int | None,
+        max_side: int,
+        pipeline: str = PIPELINES[0],
+    ):
+        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side)
+        self.text_encoders = dict(text_encoders)
+        self.tokenizers = dict(tokenizers)
+        self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH
+        self.clip_length = self.tokenizers["tokenizer"].model_max_length  # FluxPipeline.tokenizer_max_length
+        self.granularity = self.vae_scale_factor * PACK
+        self.true_cfg_scale: torch.Tensor | None = None  # float32 [1] on the device, with_true_cfg only
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the unpacked latents: the transformer sees 2x2 patches of them."""
+        return self.transformer.config.in_channels // PACK**2
+
+    def with_true_cfg(self, scale: float) -> "FluxAdapter":
+        """This adapter over the same modules, running diffusers' true CFG at `scale` (> 1): each
+        step one forward over [negative; positive] (2B rows), `neg + scale * (pos - neg)`. The
+        scale lives in a device tensor allocated here, read by captured graphs at replay."""
+        guided = copy.copy(self)
+        guided.uses_cfg = True
+        guided.true_cfg_scale = torch.tensor([scale], dtype=torch.float32, device=self.device)
+        return guided
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """prompts (N) -> {"emb": [N, L, D] T5's last hidden state, "pooled": [N, P] CLIP-L's pooled
+        output}, both in the model dtype."""
+        clip, t5 = (self.text_encoders[e] for e in ENCODERS)
+        if clip is None or t5 is None:
+            raise RuntimeError(released_message(self.name))
+        tokens = pad_tokens(self.tokenizers["tokenizer"], prompts, self.clip_length)
+        pooled = clip(to_device(tokens.input_ids, clip.device), output_hidden_states=False).pooler_output.to(clip.dtype)
+        tokens = pad_tokens(self.tokenizers["tokenizer_2"], prompts, self.max_sequence_length)
+        emb = t5(to_device(tokens.input_ids, t5.device), output_hidden_states=False)[0].to(t5.dtype)
+        return {"emb": emb.to(self.device, self.dtype), "pooled": pooled.to(self.device, self.dtype)}
+
+    def schedule_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
+        """FluxPipeline's schedule at this size: sigmas linspace(1, 1/steps, steps) and the shift mu
+        of its patch count (used where the scheduler has use_dynamic_shifting, as FLUX.1-dev's)."""
+        config = self.scheduler_config
+        patches = (height // self.granularity) * (width // self.granularity)
+        mu = calculate_shift(
+            patches,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
+
+    def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
+        """Conditioning [K, ...] per row: K = 1 (the prompt), or 2 ([negative, positive]) with true CFG."""
+        config, k = self.transformer.config, 2 if self.uses_cfg else 1
+        return {
+            "x": InputSpec(self.latent_shape(height, width), self.dtype),
+            "t": InputSpec((), torch.float32),
+            "g": InputSpec((), torch.float32),
+            "emb": InputSpec((k, self.max_sequence_length, config.joint_attention_dim), self.dtype),
+            "pooled": InputSpec((k, config.pooled_projection_dim), self.dtype),
+        }
+
+    def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step's model output, graph-safe: x [B,16,h,w], t [B] (sigma x 1000), g [B] (guidance
+        scale, embedded by FLUX.1-dev, unused by schnell), emb [B,K,L,D], pooled [B,K,P] -> velocity
+        [B,16,h,w]. K = 1: one forward over the B prompts; K = 2: over [negative; positive] (2B rows)
+        and the true-CFG combine in the same region."""
+        x, t, g = inputs["x"], inputs["t"], inputs["g"]
+        b, c, h, w = x.shape
+        k = inputs["emb"].shape[1]
+        emb = inputs["emb"].transpose(0, 1).reshape(k * b, *inputs["emb"].shape[2:])
+        pooled = inputs["pooled"].transpose(0, 1).reshape(k * b, -1)
+        packed = FluxPipeline._pack_latents(x, b, c, h, w)
+        txt_ids, img_ids = position_ids(h, w, emb.shape[1], x.device, x.dtype)
+        guidance = g if self.transformer.config.guidance_embeds else None
+        out = self.transformer(
+            hidden_states=torch.cat([packed] * k),
+            timestep=torch.cat([t.to(x.dtype) / 1000] * k),  # FluxPipeline: t in the latents' dtype, / 1000
+            guidance=None if guidance is None else torch.cat([guidance] * k),
+            pooled_projections=pooled,
+            encoder_hidden_states=emb,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        if k == 2:
+            uncond, cond = out.chunk(2)
+            out = uncond + self.true_cfg_scale * (cond - uncond)
+        f = self.vae_scale_factor
+        return FluxPipeline._unpack_latents(out, h * f, w * f, f).to(x.dtype)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_shifted(self.vae, latents)
+
+    def release_text_encoders(self) -> None:
+        """In place, so that a true-CFG copy and the adapter it came from both let go of them."""
+        for name in ENCODERS:
+            self.text_encoders[name] = None
+        free_memory()
+
+
+def position_ids(h: int, w: int, text_length: int, device: torch.device, dtype: torch.dtype):
+    """(txt_ids [L, 3] zeros, img_ids [h/2 * w/2, 3]: (0, row, column) of each 2x2 patch, row-major),
+    FluxPipeline's values, made on `device` so that a captured graph copies nothing from the host.
+    Integers up to the patch grid's side (64 at 2048 px), exact in bf16."""
+    rows = torch.arange(h // PACK, device=device, dtype=torch.float32)
+    cols = torch.arange(w // PACK, device=device, dtype=torch.float32)
+    grid = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(-1, 2)
+    img_ids = torch.cat([torch.zeros_like(grid[:, :1]), grid], dim=1).to(dtype)
+    return torch.zeros(text_length, 3, device=device, dtype=dtype), img_ids
+
+
+# ---- the family functions (pipeline.models.base.Family) --------------------------------------
+
+
+def limits(source: Source, cfg: ModelConfig) -> tuple[int, int]:
+    """Granularity: VAE factor x the 2x2 packing. Largest side: model.max_side, or twice the native
+    1024 px (FluxPipeline's default sample size)."""
+    f = vae_scale_factor(source.configs["vae"])
+    return f * PACK, default_max_side(NATIVE_LATENT_SIDE * f, None, cfg.max_side)
+
+
+def item_check(source: Source) -> Callable[[Item], list[str]] | None:
+    """A negative prompt without true CFG is refused by pipeline.models.check_items (DISTILLED)."""
+    return None
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> FluxAdapter:
+    arch = source.configs
+    factories = {
+        "transformer": lambda: TRANSFORMER(**arch["transformer"]),
+        "vae": lambda: AutoencoderKL(**arch["vae"]),
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**arch["text_encoder"])),
+        "text_encoder_2": lambda: T5EncoderModel(T5Config(**arch["text_encoder_2"])),
+    }
+    modules, name = make_modules(source, cfg, factories, device, dtype)
+    if source.path is None:
+        tokenizers = {"tokenizer": build_clip_char_tokenizer(), "tokenizer_2": build_char_tokenizer()}
+    else:
+        tokenizers = {t: load_component(source, t, dtype, device) for t in TOKENIZERS}
+    scheduler_class, scheduler_config = source.scheduler
+    return FluxAdapter(
+        name,
+        modules["transformer"],
+        modules["vae"],
+        {e: modules[e] for e in ENCODERS},
+        tokenizers,
+        scheduler_class,
+        scheduler_config,
+        cfg.max_sequence_length,
+        limits(source, cfg)[1],
+        pipeline=source.pipeline,
+    )
+
+
+def to_diffusers(adapter: FluxAdapter):
+    return pipeline_over(adapter, adapter.text_encoders, adapter.tokenizers)

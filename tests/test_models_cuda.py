@@ -1,0 +1,132 @@
+"""Flux and float8 on the GPU: the tiny Flux replays bit for bit what it computes eagerly (B rows,
+and 2B with true CFG; the step scope's per-resolution tables); float8 linear layers stay close to
+bf16, eager, compiled and replayed (skipped without CUDA; float8 needs sm89+).
+
+Run on a CUDA machine: `python -m pytest -m cuda tests/test_models_cuda.py -v`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg.buckets import pick_bucket
+from bcg.buffers import InputSpec, pad_rows
+from bcg.engine import BCGEngine
+from conftest import model_config
+from pipeline.config import KernelsConfig
+from pipeline.denoise import Denoiser
+from pipeline.kernels import apply_kernels
+from pipeline.kernels.fp8 import FP8, to_fp8
+from pipeline.models import build_model
+from pipeline.noise import batch_noise
+from pipeline.precision import apply_precision
+
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+needs_fp8 = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9),
+                               reason="float8 matmuls need sm89+")
+
+LADDER = [1, 2, 4]
+RESOLUTIONS = [(64, 64), (128, 64)]
+# float8 e4m3 for both operands, one scale per row: as the CPU test (tests/test_kernels.py).
+FP8_LINEAR_REL_ERR = 0.06
+# The tiny Flux's step with every block linear in float8 against the same step in bf16.
+FP8_STEP_REL_ERR = 0.1
+# Compiled (fused quantization) against eager float8: the same math, rounded in another order.
+COMPILED_VS_EAGER_REL_ERR = 0.01
+
+
+def tiny_flux():
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    return build_model(model_config("tiny_flux"), torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return tiny_flux()
+
+
+def random_inputs(adapter, key, n, seed=0):
+    gen = torch.Generator("cuda").manual_seed(seed)
+    out = {name: torch.randn((n, *spec.shape), generator=gen, device="cuda").to(spec.dtype)
+           for name, spec in adapter.input_specs(*key).items()}
+    out["t"] = torch.full((n,), 500.0, device="cuda")
+    out["g"] = torch.full((n,), 3.5, device="cuda")
+    return out
+
+
+def eager(adapter, key, inputs, n):
+    with torch.no_grad():
+        return adapter.guided_eps(pad_rows(adapter.input_specs(*key), inputs, n, pick_bucket(LADDER, n)))[:n]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
+def test_flux_replay_equals_eager_bit_for_bit(flux, true_cfg):
+    adapter = flux if true_cfg == 1.0 else flux.with_true_cfg(true_cfg)
+    engine = BCGEngine(adapter.guided_eps, lambda key: adapter.input_specs(*key), LADDER, "cuda")
+    engine.capture_all(RESOLUTIONS)
+    for key in RESOLUTIONS:
+        for n in (1, 3):
+            inputs = random_inputs(adapter, key, n, seed=n)
+            assert torch.equal(engine.run(key, inputs, n), eager(adapter, key, inputs, n)), (key, n)
+    assert engine.metrics.misses == 0 and engine.metrics.hits == 2 * len(RESOLUTIONS)
+    engine.close()
+
+
+def test_flux_step_scope_under_graphs_equals_eager(flux):
+    """The step graph reads its resolution's own schedule (Flux's shift): replayed, the same latents."""
+    latents = {}
+    for graphs in (True, False):
+        denoiser = Denoiser(flux, "step", "default", 3,
+                            lambda fn, specs: BCGEngine(fn, specs, LADDER, "cuda", enabled=graphs))
+        denoiser.capture_all(RESOLUTIONS)
+        for h, w in RESOLUTIONS:
+            cond = {name: t.unsqueeze(1) for name, t in flux.encode(["a cat", "a dog", "a boat"]).items()}
+            noise = batch_noise([1, 2, 3], flux.latent_shape(h, w), flux.dtype, flux.device)
+            guidance = torch.full((3,), 3.5, device="cuda")
+            latents[(graphs, h, w)] = denoiser.denoise(noise, cond, guidance, h, w)
+        denoiser.engine.close()
+    for h, w in RESOLUTIONS:
+        assert torch.equal(latents[(True, h, w)], latents[(False, h, w)]), (h, w)
+
+
+@needs_fp8
+def test_fp8_linear_is_close_to_bf16_eager_compiled_and_replayed():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1024, 3072, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 333, 1024, device="cuda", dtype=torch.bfloat16)  # 666 rows: not a multiple of 16
+    with torch.no_grad():
+        reference = linear(x)
+        to_fp8(linear)
+        out = linear(x)
+        assert linear.weight.dtype == FP8 and out.dtype == torch.bfloat16
+        assert rel_err(out, reference) < FP8_LINEAR_REL_ERR
+        compiled = torch.compile(linear, fullgraph=True)
+        compiled_out = compiled(x)
+    assert rel_err(compiled_out, out) < COMPILED_VS_EAGER_REL_ERR
+    engine = BCGEngine(lambda inputs: compiled(inputs["x"]), lambda key: {"x": InputSpec((333, 1024), torch.bfloat16)},
+                       [2], "cuda")
+    engine.capture_all([(333,)])
+    assert torch.equal(engine.run((333,), {"x": x}, 2), compiled_out)
+    engine.close()
+
+
+@needs_fp8
+def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call():
+    adapter = tiny_flux()
+    key = (64, 64)
+    inputs = random_inputs(adapter, key, 2)
+    reference = eager(adapter, key, inputs, 2)
+    report = apply_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), adapter, key, shapes=4)
+    assert report["fp8_linear_layers"] == 12 + 2 * 5
+    compiled = eager(adapter, key, inputs, 2)
+    assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    engine = BCGEngine(adapter.guided_eps, lambda k: adapter.input_specs(*k), LADDER, "cuda")
+    engine.capture_all([key])
+    assert torch.equal(engine.run(key, inputs, 2), compiled)
+    engine.close()
