@@ -39,6 +39,7 @@ from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
+from pipeline.startup import StartupClock
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
 from pipeline.sharding import ShardSpec, shard_batches
@@ -109,17 +110,19 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     # 4. Plan the whole job (every shard computes the same plan), then take this shard's slice.
     planned = plan_ladder(ladder, items, cfg, setup.shard)
 
-    with JobLock(setup.out_dir, setup.shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
+    with JobLock(setup.out_dir, setup.shard.name), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir):
         # 5. The bad rows' reasons; the temporary files of a process that died.
         prepare_output(setup.out_dir, bad)
+        stats.startup.lap("prepare")
 
         # 6. The model and its kernels, and the denoiser that runs it in bcg.scope.
-        built = build(cfg, items, setup, adapter)
+        built = build(cfg, items, setup, adapter, stats.startup)
         stop.check()
 
         # 7. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
         #    choice is saved so that a resumed job plans the same).
         ladder, planned = calibrated_plan(ladder, planned, cfg, items, built.denoiser, setup)
+        stats.startup.lap("calibrate")
         stop.check()
 
         # 8. The denoiser's engine on that ladder, then the batches not committed under output.dir yet.
@@ -129,10 +132,12 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         # 9. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
         prompts = prompt_cache(built.adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES,
                                cfg.model.offload_text_encoder)
+        stats.startup.lap("prompts")
         stop.check()
 
         # 10. Graphs for every resolution this shard runs, before its first batch.
         capture(built.denoiser, todo, cfg.bcg.capture)
+        stats.startup.lap("graphs")
         stop.check()
 
         # 11. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
@@ -228,15 +233,17 @@ def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
         log.info("removed %d temporary files left by a process that died", removed)
 
 
-def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None) -> Built:
+def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None, clock: StartupClock) -> Built:
     """The model (unless the caller built it), its kernels (`kernels`), and its denoiser."""
     adapter = adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype])
+    clock.lap("build")
     resolutions = sorted({(it.height, it.width) for it in items})
     compiled_before = compile_stats()
     kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
                             texts=manifest_texts(items))
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     fields = job_fields(cfg, adapter.name, denoiser.sampler_label, setup.precision)
+    clock.lap("kernels")
     return Built(adapter, denoiser, kernels, compiled_before, fields)
 
 
@@ -355,6 +362,7 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         ladder_auto=None if auto is None else {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
         versions=library_versions(),
         config=resolved_config,
+        startup_s=stats.startup.times(engine.metrics.warmup_s, stats.first_batch_at, stats.generate_started),
     )
 
 
