@@ -67,16 +67,17 @@ class GpuBusyReport:
 class StartupTimes:
     """Seconds from the process's start to its first batch, by stage, in the order they run
     (`pipeline.startup`). A warm run (the job's compile cache filled by an earlier process) differs
-    from a cold one in `kernels` and `warmup`, where compiling happens."""
+    from a cold one in `kernels` and `warmup`, where compiling happens. `imports` is measured from
+    the process's start as Linux's /proc records it (None elsewhere), so in a sweep run in one
+    process it holds the jobs before too. `prompts` encodes every prompt only with
+    model.offload_text_encoder; otherwise each batch encodes its own."""
 
-    imports: float | None  # process start to the job's start: Python, imports, Hydra, the config (and, in a
-    #                        sweep run in one process, the jobs before); None where /proc is not there
+    imports: float | None  # process start to the job's start: Python, imports, Hydra, the config
     prepare: float  # checks, device, manifest, ladder and plan, the output lock
     build: float  # the model built or read, its weights on the device (0 when the caller built it)
     kernels: float  # kernel setup (apply_kernels: the attention probe, the decoder's compile with compile_decoder)
     calibrate: float  # bcg.ladder=auto's calibration; 0 with a decided ladder
-    prompts: float  # the batches left to run (committed ones skipped), the prompt cache (every prompt encoded
-    #                here with model.offload_text_encoder; else each batch encodes its own)
+    prompts: float  # the batches left to run (committed ones skipped), the prompt cache
     warmup: float  # the engine's warm-up passes, where the compiled transformer code compiles (and tunes)
     capture: float  # CUDA graph capture (and its static buffers)
     first_batch: float | None  # first batch queued to its images on the host (then written); None: no batch

@@ -130,6 +130,7 @@ def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_s
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     kernels = stats(tmp_path / "resumed")["kernels"]  # the resuming process's
     assert kernels["cache_hits"] >= 1 and kernels["cache_misses"] == 0
+    assert stats(tmp_path / "resumed")["startup_s"]["first_batch"] > 0  # a warm start, by stage
     assert kernels["compile_cache_dir"] == str((tmp_path / "resumed" / JOB_CACHE).resolve())
     assert images(tmp_path / "resumed") == images(tmp_path / "whole")
 
