@@ -48,7 +48,9 @@ from pipeline.profiling import profile_categories, step_flops_by_kind
 # A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
 # (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
-# kernels), fuse (fused q|k|v projections), fp8 (kernels.fp8: rowwise-scaled float8 matmuls),
+# kernels); both time their choices (kernels.compile_tuning=timed), every other compile takes
+# compile_tuning=fixed (block sizes from inductor's heuristics); fuse (fused q|k|v projections), fp8 (kernels.fp8:
+# rowwise-scaled float8 matmuls),
 # gelu (the feed-forward's GELU in the matmul's epilogue), residual (kernels.fuse_residual; with
 # compile, its layer norms and constants only: compile_scope=norms).
 # fuse and fp8 change the run's one model for good: see ModelState.
@@ -78,7 +80,7 @@ def variant_kernels(name: str) -> KernelsConfig:
     scope = "norms" if "residual" in options else "blocks" if "blocks" in options else "model"
     return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
                          compile_scope=scope, fuse_residual="residual" in options,
-                         compile_mode=modes[0] if modes else "default",
+                         compile_mode=modes[0] if modes else "default", compile_tuning="timed" if modes else "fixed",
                          fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options)
 
 

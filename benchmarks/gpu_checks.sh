@@ -28,6 +28,12 @@
 #                                                # cache (COMPILE_CACHE=dir: that cache)
 #   bash benchmarks/gpu_checks.sh compile-cache  # the 60-row job twice with one fresh kernels.compile_cache_dir:
 #                                                # compile cold, then warm
+#   bash benchmarks/gpu_checks.sh startup        # tests/test_startup_cuda.py (kernels=fast: resumed and sharded jobs give
+#                                                # one process's bytes), then bench_startup.py on the 60-row manifest:
+#                                                # start-up stages cold and warm (a resumed job), the resumed job's and
+#                                                # two concurrent shards' images against one process's, and two jobs
+#                                                # under compile_tuning=timed compared (images, tuned block sizes)
+#                                                # (STARTUP_ARGS="--limit 200" etc. replace "--timed")
 #   bash benchmarks/gpu_checks.sh micro          # SDPA as the step calls it (views, masked cross-attention), GELU and
 #                                                # residual epilogues, matmul rates
 #   DECODE_ARGS="--variants nchw compile chunked" bash benchmarks/gpu_checks.sh decode
@@ -161,6 +167,16 @@ compile_cache() {
   du -sh "$cache"
 }
 
+startup() {
+  python3 -m pytest -p no:cacheprovider -v -rs -m cuda tests/test_startup_cuda.py > "$BENCH_OUT/startup_tests.log" 2>&1; st_rc=$?
+  echo "== startup cuda tests"; rc $st_rc; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$BENCH_OUT/startup_tests.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-200; tail_if_failed $st_rc "$BENCH_OUT/startup_tests.log"
+  rm -rf /tmp/bench-startup
+  timeout -s KILL ${STARTUP_LIMIT:-420} python3 benchmarks/bench_startup.py --work /tmp/bench-startup --out "$BENCH_OUT/startup.json" ${STARTUP_ARGS:---timed} -- "${kernels[@]}" > "$BENCH_OUT/startup.log" 2>&1; startup_rc=$?
+  echo "== startup: cold, stopped, warm (resumed), 2 shards at once${STARTUP_ARGS:- --timed} ${KERNELS:-}"; rc $startup_rc
+  grep -E "^\||^[a-z-]+: exit|^timed tuning" "$BENCH_OUT/startup.log" | cut -c1-400
+  tail_if_failed $startup_rc "$BENCH_OUT/startup.log"
+}
+
 micro() {
   timeout -s KILL ${MICRO_LIMIT:-90} python3 benchmarks/bench_kernels.py --micro-only --iters 10 --out "$BENCH_OUT/bench_micro.json" > "$BENCH_OUT/bench_micro.log" 2>&1; micro_rc=$?
   echo "== micro"; rc $micro_rc; grep -vE "warn|^\s*$|\"\"\"" "$BENCH_OUT/bench_micro.log" | tail -14 | cut -c1-250
@@ -200,6 +216,7 @@ for what in "${@:-cuda-tests}"; do
     baseline-1000) baseline_1000 ;;
     bench-1000) bench_1000 ;;
     compile-cache) compile_cache ;;
+    startup) startup ;;
     micro) micro ;;
     decode) decode ;;
     recompiles) recompiles ;;

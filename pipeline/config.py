@@ -99,6 +99,13 @@ class KernelsConfig:
     # longer compiles, tuned layer norms and pointwise kernels) | max-autotune-no-cudagraphs (that and
     # Triton matmul templates timed against cuBLAS: far longer compiles).
     compile_mode: str = "default"
+    # Who picks the generated kernels' block sizes where they change the rounding (a reduction's block
+    # sizes and warps, matmul templates): fixed (inductor's deterministic mode: its heuristics, from
+    # the kernel's sizes; the same kernels in every process, so the same bytes in every shard, resume
+    # and job; coordinate-descent then tunes pointwise kernels only) | timed (inductor times the
+    # candidates at the first run: faster kernels, but timing noise can pick others in another
+    # process; the job's processes share the choice through the compile cache, docs/kernels.md).
+    compile_tuning: str = "fixed"
     # One compilation with symbolic batch and token counts for every shape (true), or one per
     # (resolution, bucket) (false: specialised kernels, a compile each).
     compile_dynamic: bool = True
@@ -128,9 +135,10 @@ class KernelsConfig:
     # batch: the batch is static, height and width are symbolic. Images differ from eager by rounding.
     compile_decoder: bool = False
     decode_chunk: int = 4
-    # Where inductor keeps what it compiled (FX graphs, Triton kernels), so that the next run of a job
-    # loads instead of compiling; null: torch's own (TORCHINDUCTOR_CACHE_DIR, else
-    # /tmp/torchinductor_<user>). Set a persistent path where /tmp does not outlive a job.
+    # Where inductor keeps what it compiled and tuned (FX graphs, Triton kernels, tuned block sizes),
+    # so that the next process of a job (a resume, another shard) loads instead of compiling; null:
+    # the job's own, <output.dir>/.cache/inductor. A path shared by several jobs (+job=nightly's)
+    # lets each load what the others compiled.
     compile_cache_dir: Optional[str] = None
 
 
@@ -278,6 +286,7 @@ SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "flash_attn")
 COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks", "norms")
+COMPILE_TUNINGS = ("fixed", "timed")
 CAPTURE = ("plan", "ladder")
 
 
@@ -307,6 +316,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("kernels.attention", cfg.kernels.attention, ATTENTION),
         ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
         ("kernels.compile_scope", cfg.kernels.compile_scope, COMPILE_SCOPES),
+        ("kernels.compile_tuning", cfg.kernels.compile_tuning, COMPILE_TUNINGS),
         ("output.format", cfg.output.format, ("png",)),
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):

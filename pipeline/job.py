@@ -39,6 +39,7 @@ from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
+from pipeline.startup import StartupClock
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import (Committed, ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
@@ -114,7 +115,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     # 5. What every output row records about how it was made, from the configs (no weights needed).
     fields = job_fields(cfg, setup.precision)
 
-    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
+    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir):
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.
@@ -122,18 +123,20 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
         # 7. The bad rows' reasons; the temporary files of a process that died.
         prepare_output(setup.out_dir, bad)
+        stats.startup.lap("prepare")
 
         # 8. A finished job ends here, before any weights are loaded.
         if todo == [] and part_path(setup.out_dir, setup.shard.name).is_file():
             return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet)
 
         # 9. The model and its kernels, and the denoiser that runs it in bcg.scope.
-        built = build(cfg, items, setup, adapter, fields)
+        built = build(cfg, items, setup, adapter, fields, stats.startup)
         stop.check()
 
         # 10. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
         #     choice is saved so that a resumed job plans the same), and the batches left of that plan.
         ladder, planned, todo = calibrated_plan(ladder, planned, todo, cfg, items, bad, built, setup)
+        stats.startup.lap("calibrate")
         stop.check()
 
         # 11. The denoiser's engine on that ladder.
@@ -142,10 +145,12 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         # 12. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
         prompts = prompt_cache(built.adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES,
                                cfg.model.offload_text_encoder)
+        stats.startup.lap("prompts")
         stop.check()
 
         # 13. Graphs for every resolution this shard runs, before its first batch.
         capture(built.denoiser, todo, cfg.bcg.capture)
+        stats.startup.lap("graphs")
         stop.check()
 
         # 14. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
@@ -245,22 +250,25 @@ def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
         log.info("removed %d temporary files left by a process that died", removed)
 
 
-def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None, fields: dict[str, Any]) -> Built:
+def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None, fields: dict[str, Any],
+          clock: StartupClock) -> Built:
     """The device made current (CUDA is set up here, not before: a finished job never gets this far),
     the compile workers (they come up while the model loads), the model (unless the caller built
     it), its kernels (`kernels`), and its denoiser. `fields`: job_fields, which the built model
-    must agree with."""
+    must agree with. `clock` laps the build and the kernels."""
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
     start_compile_workers(cfg.kernels, setup.device)
     adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype]),
                             cfg.sampler.true_cfg_scale)
+    clock.lap("build")
     resolutions = sorted({(it.height, it.width) for it in items})
     compiled_before = compile_stats()
     kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
                             texts=manifest_texts(items))
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
+    clock.lap("kernels")
     return Built(adapter, denoiser, kernels, compiled_before, fields)
 
 
@@ -420,6 +428,7 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         ladder_auto=None if auto is None else {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
         versions=library_versions(),
         config=resolved_config,
+        startup_s=stats.startup.times(engine.metrics.warmup_s, stats.first_batch_at, stats.generate_started),
     )
 
 

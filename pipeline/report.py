@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import types
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -64,6 +64,27 @@ class GpuBusyReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StartupTimes:
+    """Seconds from the process's start to its first batch, by stage, in the order they run
+    (`pipeline.startup`). A warm run (the job's compile cache filled by an earlier process) differs
+    from a cold one in `kernels` and `warmup`, where compiling happens. `imports` is measured from
+    the process's start as Linux's /proc records it (None elsewhere), so in a sweep run in one
+    process it holds the jobs before too. `prompts` encodes every prompt only with
+    model.offload_text_encoder; otherwise each batch encodes its own."""
+
+    imports: float | None  # process start to the job's start: Python, imports, Hydra, the config
+    prepare: float  # checks, device, manifest, ladder and plan, the output lock
+    build: float  # the model built or read, its weights on the device (0 when the caller built it)
+    kernels: float  # kernel setup (apply_kernels: the attention probe, the decoder's compile with compile_decoder)
+    calibrate: float  # bcg.ladder=auto's calibration; 0 with a decided ladder
+    prompts: float  # the batches left to run (committed ones skipped), the prompt cache
+    warmup: float  # the engine's warm-up passes, where the compiled transformer code compiles (and tunes)
+    capture: float  # CUDA graph capture (and its static buffers)
+    first_batch: float | None  # first batch queued to its images on the host (then written); None: no batch
+    total: float | None  # process start to the first batch's images; None without `imports` or a batch
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardEntry:
     """One shard's figures in stats.json's `shards`."""
 
@@ -75,6 +96,7 @@ class ShardEntry:
     images_per_s: float | None
     per_resolution: dict[str, int]
     bcg: EngineReport
+    startup_s: StartupTimes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +129,7 @@ class Report:
     ladder_auto: dict[str, Any] | None  # bcg.ladder=auto: the calibration, when this run made it
     versions: dict[str, str]
     config: dict[str, Any] | None  # the resolved Hydra config
+    startup_s: StartupTimes | None = None  # this process's start-up by stage (stats.json: the first shard's)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,7 +190,8 @@ def check_schema(data: Any, source: str) -> None:
 
 def _typed(tp: Any, value: Any, source: str, where: str) -> Any:
     """`value` (parsed JSON) checked against the type `tp` and built into it: dataclasses from
-    objects with exactly their fields, lists and str-keyed dicts item by item, ints taken as floats."""
+    objects with exactly their fields (a field with a default may be absent: a report written before
+    it existed), lists and str-keyed dicts item by item, ints taken as floats."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -192,13 +216,15 @@ def _record(tp: type, value: Any, source: str, where: str) -> Any:
     if not isinstance(value, dict):
         raise ReportError(f"{source}: `{where}` is {value!r}, not an object ({tp.__name__})")
     names = [f.name for f in fields(tp)]
-    missing, unknown = [n for n in names if n not in value], [k for k in value if k not in names]
+    optional = {f.name for f in fields(tp) if f.default is not MISSING or f.default_factory is not MISSING}
+    missing = [n for n in names if n not in value and n not in optional]
+    unknown = [k for k in value if k not in names]
     if missing or unknown:
         what = "; ".join(part for part in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if part)
         raise ReportError(f"{source}: {f'`{where}`' if where else 'the report'} ({tp.__name__}) has keys that do not "
                           f"match this version's: {what}")
     hints = get_type_hints(tp)
-    return tp(**{n: _typed(hints[n], value[n], source, f"{where}.{n}".lstrip(".")) for n in names})
+    return tp(**{n: _typed(hints[n], value[n], source, f"{where}.{n}".lstrip(".")) for n in names if n in value})
 
 
 def _union(options: tuple, value: Any, source: str, where: str) -> Any:

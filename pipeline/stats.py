@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import signal
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -13,8 +15,12 @@ from typing import Any
 import torch
 
 from pipeline.report import ImageCounts
+from pipeline.startup import StartupClock
 
 STAGES = ("encode", "noise", "denoise", "decode")
+# Tests: SIGTERM this process once that many batches are done, to stop a job as a user does (the batches
+# queued by then are committed, the job ends with the signal's exit status).
+STOP_AFTER_BATCHES = "BCG_STOP_AFTER_BATCHES"
 LIBRARIES = ("torch", "diffusers", "transformers", "hydra-core", "omegaconf", "pyarrow", "numpy", "pillow")
 
 
@@ -47,7 +53,7 @@ class StageTimer:
 
 @dataclass
 class RunStats:
-    """The generate phase's counts (the writer thread adds each batch) and the job's clock."""
+    """The generate phase's counts (the writer thread adds each batch) and the job's clocks."""
 
     oom_retries: int = 0
     ok: int = 0
@@ -60,9 +66,17 @@ class RunStats:
     started: float = field(default_factory=time.perf_counter)
     started_at: float = field(default_factory=time.time)  # wall clock, to merge shards that ran apart
     generate_started: float | None = None
+    first_batch_at: float | None = None  # perf_counter when the first batch's images reached the host
+    startup: StartupClock = field(default_factory=StartupClock)
+    stop_after: int | None = field(default_factory=lambda: int(os.environ[STOP_AFTER_BATCHES])
+                                   if os.environ.get(STOP_AFTER_BATCHES) else None)
 
     def add_batch(self, height: int, width: int, bucket: int, real: int, ok: int, stages: dict[str, float]) -> None:
+        if self.first_batch_at is None:
+            self.first_batch_at = time.perf_counter()
         self.batches += 1
+        if self.batches == self.stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
         self.ok += ok
         self.failed += real - ok
         self.padded_rows += bucket - real

@@ -58,11 +58,12 @@ def png(path: Path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("RGB"))
 
 
-def run_python(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python <args>` in a child process that imports this checkout's packages."""
+def run_python(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python <args>` in a child process that imports this checkout's packages (`env`: variables
+    added to this process's environment)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path)
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    child = dict(os.environ, **(env or {}), PYTHONPATH=path)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=child, capture_output=True, text=True, timeout=timeout)
 
 
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

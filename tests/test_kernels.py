@@ -287,18 +287,18 @@ def test_dynamic_regional_compile_serves_every_shape_with_one_graph(tiny):
 
 @pytest.mark.slow
 def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny, tmp_path):
-    """kernels.compile_mode=coordinate-descent is a compile inductor accepts and that computes the
-    eager step; kernels.compile_cache_dir is where inductor keeps it, and a second compile of the
-    same blocks (the next run of the job) loads it from there instead of compiling."""
+    """kernels.compile_mode=coordinate-descent with timed tuning is a compile inductor accepts and that
+    computes the eager step; kernels.compile_cache_dir is where inductor keeps it, and a second compile
+    of the same blocks (the next run of the job) loads it from there instead of compiling."""
     x = inputs(tiny)
     with torch.no_grad():
         reference = tiny.guided_eps(x)
     cache = tmp_path / "inductor"
     kernels = KernelsConfig(compile=True, compile_scope="blocks", compile_mode="coordinate-descent",
-                            compile_cache_dir=str(cache))
+                            compile_tuning="timed", compile_cache_dir=str(cache))
     before_env = {name: os.environ.get(name) for name in CACHE_ENV}
     torch._dynamo.reset()
-    with compile_cache(kernels.compile_cache_dir):
+    with compile_cache(kernels, tmp_path / "out"):
         report = apply_kernels(kernels, tiny, None, shapes=2)
         assert report["compile_cache_dir"] == str(cache.resolve())
         with torch.no_grad():
@@ -310,7 +310,7 @@ def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny,
     torch._dynamo.reset()  # as a new process: dynamo traces again, inductor finds its graph on disk
     before = compile_stats()
     again = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    with compile_cache(kernels.compile_cache_dir):
+    with compile_cache(kernels, tmp_path / "out"):
         apply_kernels(kernels, again, None, shapes=2)
         with torch.no_grad():
             second = again.guided_eps(x)
@@ -333,7 +333,7 @@ def test_decode_in_chunks_calls_the_decoder_with_full_chunks_only():
     with pytest.raises(UserError, match="kernels.decode_chunk=0 must be >= 1"):
         check_kernels(KernelsConfig(compile_decoder=True, decode_chunk=0))
     with pytest.raises(UserError, match="kernels.compile_mode='fastest' is not accepted"):  # either compile
-        compile_options("fastest")
+        compile_options("fastest", "fixed")
 
 
 

@@ -7,7 +7,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - gelu: kernels.fuse_gelu
 - residual: kernels.fuse_residual
 - fp8: kernels.fp8
-- compile: kernels.compile and what every compile shares (mode, cache directory, workers, counts)
+- compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
 - decoder: kernels.compile_decoder, kernels.decode_chunk
 
 Which settings go together is stated once, as data (SUPPORTED_FAMILIES, EXCLUDES, REQUIRES,
@@ -142,6 +142,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
             out["compile_scope"] = kernels.compile_scope
     if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
         out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, compile_mode=kernels.compile_mode)
+    if kernels.compile or kernels.compile_decoder:  # counted at its default too: a digest without it was made by timed kernels
+        out["compile_tuning"] = kernels.compile_tuning
     return out
 
 

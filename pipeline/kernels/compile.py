@@ -1,10 +1,22 @@
 """kernels.compile: the transformer compiled with inductor, without inductor's own CUDA graphs, so
 that our engine captures the compiled kernels like any others; and what every compile shares: the
-mode's options, inductor's on-disk cache, its compile workers, and the counts the job reports.
+mode's and the tuning's options, the job's on-disk cache, the compile workers, and the counts the
+job reports.
 
 `compile_scope`: `model` compiles the whole transformer; `blocks` its repeated block, once, the code
 reused by every block (diffusers' regional compilation: far shorter compiles, no fusion across
 blocks); `norms` what kernels.fuse_residual's block leaves to fuse (pipeline/kernels/residual.py).
+
+Why two processes can run different kernels, and what keeps them the same:
+- A kernel's block sizes (and with them the order in which a reduction adds, so its rounding) are
+  chosen when it first runs. `compile_tuning=timed` lets inductor time the candidates there (coordinate
+  descent, autotuning): timing noise can choose differently in another process. `fixed` (inductor's
+  deterministic mode) chooses from the kernel's sizes alone.
+- With symbolic sizes, "the kernel's sizes" are the hints of the first call: a process that
+  compiles for itself at another first shape (a shard) generates another kernel. The compiled layer
+  norm (`compile_scope=norms`) is given a fixed row-count hint (residual.NORM_ROWS_HINT) instead.
+- What one process compiled and tuned lands in the job's cache (`compile_cache`), which the job's
+  later processes on the same device load, choices included (inductor's keys name the device).
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from types import MethodType
 
 import torch
 
-from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, KernelsConfig
+from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS, KernelsConfig
 from pipeline.errors import UserError
 from pipeline.kernels import residual
 from pipeline.models.base import Adapter
@@ -26,13 +38,14 @@ from pipeline.process_state import saved_environ
 log = logging.getLogger(__name__)
 
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+JOB_CACHE = Path(".cache") / "inductor"  # under output.dir: a hidden folder, which dataset loaders skip
 CONTIGUOUS_HOOK = "_contiguous_output_hook"  # the patch embedding's hook handle (contiguous_block_input)
 
 
 def check(kernels: KernelsConfig, device: torch.device | None) -> None:
     """A compile mode or scope that is not accepted, for whichever compile is on."""
     if kernels.compile or kernels.compile_decoder:
-        compile_options(kernels.compile_mode)
+        compile_options(kernels.compile_mode, kernels.compile_tuning)
     if kernels.compile and kernels.compile_scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={kernels.compile_scope!r} is not accepted; "
                         f"choose one of {list(COMPILE_SCOPES)}")
@@ -40,26 +53,48 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
 
 def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
     """Compile this adapter's transformer (kernels.compile) -> the compile settings the job reports
-    (also those of the decoder's compile, kernels.compile_decoder: the mode, the cache directory)."""
+    (also those of the decoder's compile, kernels.compile_decoder: the mode, the tuning, the cache
+    directory, and whether every process runs the same kernels: `reproducible`, with the reason
+    when not)."""
     report: dict = {}
     if kernels.compile or kernels.compile_decoder:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        report.update(compile_mode=kernels.compile_mode, compile_cache_dir=cache_dir())
+        why = not_reproducible(kernels)
+        report.update(compile_mode=kernels.compile_mode, compile_tuning=kernels.compile_tuning,
+                      compile_cache_dir=cache_dir(), reproducible=why is None, **({"not_reproducible": why} if why else {}))
     if kernels.compile:
         report.update(compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
-        compile_transformer(adapter.transformer, kernels.compile_mode, shapes, kernels.compile_dynamic,
-                            kernels.compile_scope)
+        compile_transformer(adapter.transformer, kernels.compile_mode, kernels.compile_tuning, shapes,
+                            kernels.compile_dynamic, kernels.compile_scope)
     return report
 
 
-def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dynamic: bool, scope: str = "model") -> None:
+def not_reproducible(kernels: KernelsConfig) -> str | None:
+    """Why this job's compiled kernels may differ between its processes (and so images by rounding),
+    or None where every process runs the same (see the module's docstring)."""
+    if kernels.compile_tuning == "timed":
+        return ("kernels.compile_tuning=timed: inductor times candidate block sizes in the process that compiles a "
+                "kernel, and another process may time others faster; processes that load this job's compile cache "
+                "(a resume on the same GPU) run the same kernels, those that compile for themselves (shards that "
+                "start together or run on other GPUs, jobs with another cache) may make images that differ by "
+                "rounding; kernels.compile_tuning=fixed makes them the same")
+    if kernels.compile and kernels.compile_dynamic and kernels.compile_scope != "norms":
+        return (f"kernels.compile_scope={kernels.compile_scope} with compile_dynamic=true: the block sizes follow the "
+                "sizes of the first shape compiled, which differ between shards that start together or run on other "
+                "GPUs (a resume loads this job's compile cache); compile_scope=norms (kernels=fast) or "
+                "compile_dynamic=false make them the same")
+    return None
+
+
+def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, shapes: int, dynamic: bool,
+                        scope: str = "model") -> None:
     """Compile this transformer instance in place with inductor (see the module's docstring for
-    `scope`). `dynamic`: one compilation with symbolic batch and token counts serves every
+    `scope` and `tuning`). `dynamic`: one compilation with symbolic batch and token counts serves every
     (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
     `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager (a
     process-wide setting: the job puts it back when it ends, pipeline.process_state)."""
-    how = compile_options(mode)
+    how = compile_options(mode, tuning)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
     import torch._dynamo.config as dynamo_config
@@ -68,7 +103,7 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
     dynamo_config.recompile_limit = limit
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
     if scope == "norms":  # kernels.fuse_residual's block, with its one fusable kernel compiled
-        residual.fuse_residual(transformer, *residual.compiled_functions(dynamic, how))
+        residual.fuse_residual(transformer, *residual.compiled_functions(dynamic, how, compile_options("default", tuning)))
     elif dynamic:
         broadcast_attention_masks(transformer)
     if scope == "blocks":
@@ -81,19 +116,26 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, shapes: int, dy
         transformer.compile_repeated_blocks(dynamic=dynamic, fullgraph=True, **how)
     elif scope == "model":
         transformer.compile(dynamic=dynamic, fullgraph=True, **how)
-    log.info("kernels: transformer %s compiled with inductor (mode=%s, %s shapes, no inductor CUDA graphs)",
-             scope, mode, "dynamic" if dynamic else "static")
+    log.info("kernels: transformer %s compiled with inductor (mode=%s, tuning %s, %s shapes, no inductor CUDA graphs)",
+             scope, mode, tuning, "dynamic" if dynamic else "static")
 
 
-def compile_options(mode: str) -> dict:
-    """kernels.compile_mode -> torch.compile's keywords (the transformer's and the decoder's compile).
-    `coordinate-descent` is inductor's default mode with `coordinate_descent_tuning` (torch.compile
-    takes a mode or options, not both)."""
+def compile_options(mode: str, tuning: str) -> dict:
+    """kernels.compile_mode and kernels.compile_tuning -> torch.compile's keywords (the transformer's
+    and the decoder's compile). torch.compile takes a mode or options, not both: the mode is given as
+    its options (`torch._inductor.list_mode_options`); `coordinate-descent` is inductor's default mode
+    with `coordinate_descent_tuning`, `fixed` tuning its `deterministic` mode (no timing decides what
+    changes numerics). Part of inductor's cache key: a cache never serves one for the other."""
     if mode not in COMPILE_MODES:
         raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
-    if mode == "coordinate-descent":
-        return {"options": {"coordinate_descent_tuning": True}}
-    return {"mode": mode}
+    if tuning not in COMPILE_TUNINGS:
+        raise UserError(f"kernels.compile_tuning={tuning!r} is not accepted; choose one of {list(COMPILE_TUNINGS)}")
+    from torch._inductor import list_mode_options
+
+    options = {"coordinate_descent_tuning": True} if mode == "coordinate-descent" else dict(list_mode_options(mode))
+    if tuning == "fixed":
+        options["deterministic"] = True
+    return {"options": options}
 
 
 def start_compile_workers(kernels: KernelsConfig, device: torch.device) -> bool:
@@ -109,18 +151,33 @@ def start_compile_workers(kernels: KernelsConfig, device: torch.device) -> bool:
     return True
 
 
+def cache_directory(kernels: KernelsConfig, out_dir: Path) -> Path | None:
+    """Where this job keeps what inductor compiles and tunes: kernels.compile_cache_dir, else the
+    job's own folder under output.dir (JOB_CACHE); None when the job compiles nothing."""
+    if not (kernels.compile or kernels.compile_decoder):
+        return None
+    return Path(kernels.compile_cache_dir or Path(out_dir) / JOB_CACHE).expanduser().resolve()
+
+
 @contextmanager
-def compile_cache(directory: str | None):
-    """Inductor's on-disk caches (FX graphs, autotuning, Triton kernels) in `directory` while the
-    block runs (None: torch's choice), then the environment as it was: the next job of the same
-    process (a Hydra sweep) gets its own setting. Inductor sets Triton's directory inside its own at
-    the first compile, so a Triton directory inside the old one follows the move."""
+def compile_cache(kernels: KernelsConfig, out_dir: Path):
+    """Inductor's on-disk caches (FX graphs, AOT autograd, Triton kernels, the tuned block sizes
+    next to each kernel) in `cache_directory` while the block runs, then the environment as it was:
+    the next job of the same process (a Hydra sweep) gets its own. A job that compiles nothing
+    leaves the environment alone. Inductor sets Triton's directory inside its own at the first
+    compile, so a Triton directory inside the old one follows the move. Says at the start when the
+    job's processes may run different kernels (`not_reproducible`)."""
+    directory = cache_directory(kernels, out_dir)
     with saved_environ():
         if directory is not None:
             old, triton = (os.environ.get(name) for name in CACHE_ENV)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(directory).expanduser().resolve())
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
             if old and triton and triton.startswith(old):
                 del os.environ["TRITON_CACHE_DIR"]
+            log.info("kernels: inductor's cache in %s (the job's next process loads what this one compiles)", directory)
+            why = not_reproducible(kernels)
+            if why:
+                log.warning("kernels: not the same kernels in every process: %s", why)
         yield
 
 
@@ -165,10 +222,14 @@ def compile_stats(since: dict | None = None) -> dict:
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     seconds = sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
+    inductor = counters["inductor"]
     now = {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "compile_s": seconds,
-           # inductor's FX graph cache (kernels.compile_cache_dir): graphs loaded instead of compiled
-           "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
-           "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
+           # inductor's FX graph cache (compile_cache): graphs loaded instead of compiled, and graphs it
+           # could not keep (a process after this one compiles them again)
+           "cache_hits": int(inductor["fxgraph_cache_hit"]), "cache_misses": int(inductor["fxgraph_cache_miss"]),
+           "cache_bypasses": int(inductor["fxgraph_cache_bypass"]),
+           # candidate kernels timed by coordinate descent (compile_tuning=timed; none where the cache had the choice)
+           "tuning_benchmarks": int(inductor["coordesc_tuning_bench"])}
     if since is not None:
         now = {key: value - since[key] for key, value in now.items()}
     return {**now, "compile_s": round(now["compile_s"], 2)}

@@ -27,18 +27,18 @@ def apply(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] 
     """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}."""
     if not kernels.compile_decoder:
         return {}
-    seconds = compile_decoder(adapter, kernels.compile_mode, kernels.decode_chunk, probe_size)
+    seconds = compile_decoder(adapter, kernels.compile_mode, kernels.compile_tuning, kernels.decode_chunk, probe_size)
     log.info("kernels: VAE decoder compiled with inductor (mode=%s), %d latents per call; first pass %.1f s",
              kernels.compile_mode, kernels.decode_chunk, seconds)
     return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
 
 
-def compile_decoder(adapter: Adapter, mode: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
+def compile_decoder(adapter: Adapter, mode: str, tuning: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
     """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through
     `decode_in_chunks` from now on (the adapter instance's `decode`); with `probe_size`, decode one
-    chunk of zeros there so that the compile happens now, at warm-up, not in the first batch ->
-    seconds that took."""
-    compile_vae_decoder(adapter.vae.decoder, mode)
+    chunk of zeros there so that the compile happens now, at warm-up, not in the first batch, and at
+    the same size in every process of the job (the manifest's smallest) -> seconds that took."""
+    compile_vae_decoder(adapter.vae.decoder, mode, tuning)
     decode = adapter.decode
     adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
     if probe_size is None:
@@ -52,7 +52,7 @@ def compile_decoder(adapter: Adapter, mode: str, chunk: int, probe_size: tuple[i
     return time.perf_counter() - start
 
 
-def compile_vae_decoder(decoder: torch.nn.Module, mode: str) -> None:
+def compile_vae_decoder(decoder: torch.nn.Module, mode: str, tuning: str) -> None:
     """Compile the decoder's forward with symbolic height and width and a static batch (the caller
     decodes a fixed chunk: `decode_in_chunks`), so one graph serves every resolution. The batch is
     marked static on the tensor the compiled code receives, and duck sizing is off while dynamo
@@ -61,7 +61,7 @@ def compile_vae_decoder(decoder: torch.nn.Module, mode: str) -> None:
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
-    compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(mode))
+    compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(mode, tuning))
 
     def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         torch._dynamo.mark_static(sample, 0)

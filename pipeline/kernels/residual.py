@@ -40,6 +40,11 @@ from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 
+# The row count the dynamic norm's kernel is generated for (inductor's size hint, which picks its
+# block sizes), in place of the first call's: the same kernel in every process, whichever shape it
+# starts at. The rows of one 1024 px batch of 8 prompts with CFG on PixArt-Sigma (2 x 8 x 4096 tokens).
+NORM_ROWS_HINT = 65536
+
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 ConstantsFn = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -83,20 +88,21 @@ def block_constants(table: torch.Tensor, step: torch.Tensor, pending: torch.Tens
             torch.stack((scale_mlp, shift_mlp)), ff_out * gate_mlp[:, None], before_ff + ff_out_bias.float() * gate_mlp.float())
 
 
-def compiled_functions(dynamic: bool, options: dict) -> tuple[NormFn, ConstantsFn]:
-    """modulated_norm and block_constants compiled with inductor (`options`: torch.compile's mode or
-    options). `dynamic`: one compilation of the norm for every row count, the channel count fixed (a
-    symbolic one would cost the kernel its one-pass reduction over the row, docs/BENCHMARKS.md); else
-    one per row count. The constants have one shape per model: one compilation, with inductor's
-    defaults (its kernels are tiny: tuning them would lengthen the compile and save nothing)."""
+def compiled_functions(dynamic: bool, options: dict, constants_options: dict) -> tuple[NormFn, ConstantsFn]:
+    """modulated_norm and block_constants compiled with inductor (`options`, `constants_options`:
+    torch.compile's keywords for each). `dynamic`: one compilation of the norm for every row count,
+    the channel count fixed (a symbolic one would cost the kernel its one-pass reduction over the row,
+    docs/BENCHMARKS.md), its kernel generated for NORM_ROWS_HINT rows whatever row count comes first;
+    else one per row count. The constants have one shape per model: one compilation, with inductor's
+    default mode (its kernels are tiny: tuning them would lengthen the compile and save nothing)."""
     compiled = torch.compile(modulated_norm, dynamic=None if dynamic else False, fullgraph=True, **options)
 
     def norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
         if dynamic:
-            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            torch._dynamo.mark_dynamic(rows, 0, hint_override=NORM_ROWS_HINT)
         return compiled(rows, pending, modulation, eps)
 
-    return norm, torch.compile(block_constants, dynamic=False, fullgraph=True)
+    return norm, torch.compile(block_constants, dynamic=False, fullgraph=True, **constants_options)
 
 
 class ResidualStream:

@@ -1,0 +1,188 @@
+"""A job's start-up, cold and warm, and whether its processes make the same bytes.
+
+    python benchmarks/bench_startup.py --out outputs/benchmarks/startup.json [--manifest M]
+        [--work /tmp/bench-startup] [--stop-after 1] [--timed] [--limit 240] [-- OVERRIDE ...]
+
+Each run is `python -m pipeline.run +job=bench bench.baseline=false` on the manifest (default: the
+60-row jobs/manifests/bench_tiny.parquet; PixArt-Sigma with random weights, kernels=fast) plus the
+overrides, in a process of its own, each job in a fresh output.dir with its own compile cache (the
+job's, <output.dir>/.cache/inductor), so no run loads what another job compiled:
+- `cold`: the whole job from an empty cache: the reference images;
+- `stopped`: another job, stopped once `--stop-after` batches are done (BCG_STOP_AFTER_BATCHES: the
+  SIGTERM a user sends), from an empty cache;
+- `warm`: the same command again, which resumes that job: "a job that has run before", loading
+  what `stopped` compiled;
+- `shards`: a third job as shard.count=2, both processes started at once on the same GPU;
+- with `--timed`: two more jobs (`timed-a`, `timed-b`) under kernels.compile_tuning=timed
+  kernels.compile_mode=coordinate-descent, whose images and tuned block sizes (the `.best_config`
+  files inductor writes next to each kernel in the cache) are compared.
+Per run: the command's seconds, the seconds from the process's launch to its first committed batch
+(the first shard file it wrote), stats.json's start-up stages (`startup_s`) and compile counts, and
+images/s. Then the images of `warm` (the resumed job) and of `shards` against `cold`, byte for byte
+(pipeline.compare). Saves JSON after every run and comparison (the timed runs come last); prints a
+table.
+"""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pipeline.compare import compare
+from pipeline.errors import UserError
+from pipeline.kernels.compile import JOB_CACHE
+from pipeline.merge import PARTS_DIR, STATS
+from pipeline.report import PartReport
+from pipeline.stats import STOP_AFTER_BATCHES
+from pipeline.writer import SHARDS_DIR
+
+TIMED = ("kernels.compile_tuning=timed", "kernels.compile_mode=coordinate-descent")
+STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")
+
+
+def launch(out: Path, overrides: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
+    args = [sys.executable, "-m", "pipeline.run", "+job=bench", "bench.baseline=false", f"output.dir={out}", *overrides]
+    log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115 - the child writes it until it ends
+    started = time.time()
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT), started
+
+
+def first_commit_s(out: Path, started: float) -> float | None:
+    """The launch to the first batch this process committed (the mtime of the first shard file
+    written after it started; a shard file appears whole, renamed into place)."""
+    times = [p.stat().st_mtime for p in (out / SHARDS_DIR).glob("*.parquet") if p.stat().st_mtime >= started]
+    return round(min(times) - started, 2) if times else None
+
+
+def run_figures(out: Path, code: int, command_s: float, started: float) -> list[dict]:
+    """One row per part this run wrote (a shard each)."""
+    rows = []
+    for path in sorted((out / PARTS_DIR).glob("shard-*.json")):
+        part = PartReport.read(path)
+        if part.started_at < started:
+            continue  # an earlier run's part
+        k = part.kernels
+        rows.append({
+            "shard": part.shard.index, "exit": code, "command_s": round(command_s, 2),
+            "to_first_commit_s": first_commit_s(out, started), "startup_s": part.startup_s and vars(part.startup_s),
+            "generated": part.images.generated, "images_per_s": part.images_per_s, "wall_s": part.wall_s,
+            "compile_s": k.get("compile_s"), "cache_hits": k.get("cache_hits"), "cache_misses": k.get("cache_misses"),
+            "tuning_benchmarks": k.get("tuning_benchmarks"), "reproducible": k.get("reproducible"),
+        })
+    return rows or [{"exit": code, "command_s": round(command_s, 2), "to_first_commit_s": first_commit_s(out, started)}]
+
+
+def run(name: str, out: Path, overrides: list[str], limit: float, shards: int = 1, env: dict | None = None) -> list[dict]:
+    """One command (`shards` processes started at once) -> its rows; killed after `limit` seconds."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    extra = [[f"shard.count={shards}", f"shard.index={i}"] for i in range(shards)] if shards > 1 else [[]]
+    procs = [launch(out, [*overrides, *more], env) for more in extra]
+    began = time.perf_counter()
+    codes = []
+    for proc, _ in procs:
+        try:
+            codes.append(proc.wait(timeout=max(limit - (time.perf_counter() - began), 1)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    command_s = time.perf_counter() - began
+    rows = run_figures(out, max(codes, key=abs), command_s, min(s for _, s in procs))
+    for row in rows:
+        row["run"] = name
+    print(f"{name}: exit {codes}, {command_s:.1f} s", flush=True)
+    return rows
+
+
+def best_configs(cache: Path) -> dict[str, dict]:
+    """Kernel (its file name: a hash of its source) -> the block sizes inductor chose for it."""
+    out = {}
+    for path in sorted(cache.rglob("*.best_config")):
+        config = json.loads(path.read_text())
+        out[path.name] = {k: v for k, v in config.items() if k not in ("time_taken_ms", "triton_cache_hash")}
+    return out
+
+
+def config_diff(a: Path, b: Path) -> dict:
+    ca, cb = best_configs(a / JOB_CACHE), best_configs(b / JOB_CACHE)
+    common = sorted(set(ca) & set(cb))
+    return {"tuned_a": len(ca), "tuned_b": len(cb), "common": len(common),
+            "differing": {name: {"a": ca[name], "b": cb[name]} for name in common if ca[name] != cb[name]}}
+
+
+def save(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+
+
+def table(result: dict) -> str:
+    head = ["run", "shard", "exit", "command_s", "to_first_commit_s", *STAGES, "compile_s", "cache_hits",
+            "cache_misses", "tuning_benchmarks", "generated", "images_per_s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["runs"]:
+        stages = row.get("startup_s") or {}
+        cells = [row.get(h, stages.get(h, "")) for h in head]
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    lines += ["", "| images | compared | identical | max levels | min PSNR dB |", "|---|---|---|---|---|"]
+    for name, c in result.get("compare", {}).items():
+        lines.append(f"| {name} | {c.get('images')} | {c.get('identical')} | {c.get('max_levels')} | {c.get('min_psnr_db')} |"
+                     if "images" in c else f"| {name} | {c} | | | |")
+    if "tuned_block_sizes" in result:
+        t = result["tuned_block_sizes"]
+        lines.append(f"\ntimed tuning: {t['tuned_a']} and {t['tuned_b']} kernels tuned, {t['common']} in both, "
+                     f"{len(t['differing'])} with other block sizes: {list(t['differing'].values())[:3]}")
+    return "\n".join(lines)
+
+
+def compared(a: Path, b: Path) -> dict:
+    try:
+        return compare(a, b)
+    except UserError as err:  # a run that made no images: reported in the table
+        return {"error": str(err)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--manifest", type=Path, default=ROOT / "jobs/manifests/bench_tiny.parquet")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-startup"))
+    p.add_argument("--out", type=Path, default=Path("startup.json"))
+    p.add_argument("--stop-after", type=int, default=1, help="batches the stopped run makes before its SIGTERM")
+    p.add_argument("--timed", action="store_true", help="also two jobs under timed tuning, compared")
+    p.add_argument("--limit", type=float, default=240, help="seconds per run before it is killed")
+    p.add_argument("overrides", nargs="*", help="after --: Hydra overrides for every run")
+    args = p.parse_args(argv)
+    if args.work.exists() and any(args.work.iterdir()):
+        p.error(f"--work {args.work} is not empty: every run starts from an empty output.dir and cache")
+    common = [f"manifest.path={args.manifest.resolve()}", *args.overrides]
+    w = args.work
+    result: dict = {"manifest": str(args.manifest), "overrides": args.overrides, "stop_after": args.stop_after, "runs": []}
+    for name, out, shards, env in (("cold", w / "single", 1, None),
+                                   ("stopped", w / "resumed", 1, {STOP_AFTER_BATCHES: str(args.stop_after)}),
+                                   ("warm", w / "resumed", 1, None), ("shards", w / "shards", 2, None)):
+        result["runs"] += run(name, out, common, args.limit, shards, env)
+        save(args.out, result)
+    result["complete"] = {d: (w / d / STATS).exists() for d in ("single", "resumed", "shards")}  # stats.json: every shard in
+    result["compare"] = {"warm (stopped, resumed) vs cold": compared(w / "single", w / "resumed"),
+                         "shards vs cold": compared(w / "single", w / "shards")}
+    save(args.out, result)  # before the timed runs: a time limit that ends them keeps these
+    print(table(result), flush=True)
+    if args.timed:
+        for name in ("timed-a", "timed-b"):
+            result["runs"] += run(name, w / name, [*common, *TIMED], args.limit)
+            save(args.out, result)
+        result["compare"]["timed-a vs timed-b"] = compared(w / "timed-a", w / "timed-b")
+        result["compare"]["timed-a vs cold (fixed)"] = compared(w / "single", w / "timed-a")
+        result["tuned_block_sizes"] = config_diff(w / "timed-a", w / "timed-b")
+        save(args.out, result)
+        print(table(result))
+
+
+if __name__ == "__main__":
+    main()

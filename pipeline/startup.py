@@ -1,0 +1,61 @@
+"""Where a process's start-up goes, from its start to its first batch: stats.json's `startup_s`
+(`pipeline.report.StartupTimes`).
+
+The job marks the end of each of its steps (`StartupClock.lap`); the time before the job began is
+measured from the process's start as the kernel records it (Linux /proc), so it holds the
+interpreter's start, the imports, Hydra and the config checks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.report import StartupTimes
+
+STAGES = ("prepare", "build", "kernels", "calibrate", "prompts", "graphs")  # the job's laps, in order
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (the kernel's start time, 10 ms steps); None where /proc
+    does not say."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError):
+        return None
+    # fields after the command name (which may hold spaces, in parentheses) start at field 3; starttime is 22
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+@dataclass
+class StartupClock:
+    """The job's start-up laps: `lap(stage)` gives `stage` the seconds since the previous lap (or the
+    job's start)."""
+
+    before_job: float | None = field(default_factory=process_age_s)
+    started: float = field(default_factory=time.perf_counter)
+    laps: dict[str, float] = field(default_factory=dict)
+    last: float | None = None
+
+    def lap(self, stage: str) -> None:
+        assert stage in STAGES, stage
+        now = time.perf_counter()
+        self.laps[stage] = self.laps.get(stage, 0.0) + now - (self.started if self.last is None else self.last)
+        self.last = now
+
+    def times(self, warmup_s: float, first_batch_at: float | None, generate_started: float | None) -> StartupTimes:
+        """The laps as stats.json reports them. The graphs lap splits into the engine's warm-up
+        passes (`warmup_s`, its metrics) and the capture; `first_batch_at`: when the first batch's
+        images reached the host (perf_counter), None when none ran."""
+        lap = {stage: self.laps.get(stage, 0.0) for stage in STAGES}
+        warmup = min(warmup_s, lap["graphs"])
+        first = None if first_batch_at is None or generate_started is None else first_batch_at - generate_started
+        total = None if first is None or self.before_job is None else self.before_job + first_batch_at - self.started
+        r = lambda seconds: None if seconds is None else round(seconds, 3)  # noqa: E731
+        return StartupTimes(imports=r(self.before_job), prepare=r(lap["prepare"]), build=r(lap["build"]),
+                            kernels=r(lap["kernels"]), calibrate=r(lap["calibrate"]), prompts=r(lap["prompts"]),
+                            warmup=r(warmup), capture=r(lap["graphs"] - warmup), first_batch=r(first), total=r(total))

@@ -1,0 +1,151 @@
+"""A job's compile cache lives with the job and serves its next process; the job says where its
+start-up went (stats.json's `startup_s`) and whether its processes run the same kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import cpu_job, model_config, rows, run_python, write_manifest
+from pipeline.config import KernelsConfig
+from pipeline.errors import UserError
+from pipeline.guard import Interrupted
+from pipeline.job import run
+from pipeline.kernels import apply_kernels, check_kernels, compile_cache
+from pipeline.kernels.compile import JOB_CACHE, cache_directory, compile_options, not_reproducible
+from pipeline.kernels.residual import compiled_functions
+from pipeline.models import build_model
+from pipeline.report import RunReport
+from pipeline.stats import STOP_AFTER_BATCHES
+
+# Four batches at three sizes (ladder [1, 2]): a job that can be stopped after its first.
+SIZES = rows(("a", 64, 64, 1), ("b", 64, 64, 2), ("c", 96, 64, 3), ("d", 64, 96, 4), ("e", 64, 96, 5), ("f", 64, 64, 6))
+SMALL = ("sampler.steps=2", "bcg.ladder=[1,2]")
+NORMS = ("kernels.compile=true", "kernels.fuse_residual=true", "kernels.compile_scope=norms")
+STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")
+
+
+def images(out):
+    return {p.name: p.read_bytes() for p in sorted((out / "images").iterdir())}
+
+
+def stats(out) -> dict:
+    return json.loads((out / "stats.json").read_text())
+
+
+def test_a_compiling_job_keeps_its_compile_cache_hidden_under_output_dir(tmp_path):
+    out = tmp_path / "out"
+    assert cache_directory(KernelsConfig(), out) is None  # nothing compiles: torch's environment as it is
+    assert cache_directory(KernelsConfig(compile=True), out) == (out / JOB_CACHE).resolve()
+    assert cache_directory(KernelsConfig(compile_decoder=True), out) == (out / ".cache" / "inductor").resolve()
+    shared = tmp_path / "nightly-cache"
+    assert cache_directory(KernelsConfig(compile=True, compile_cache_dir=str(shared)), out) == shared.resolve()
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with compile_cache(KernelsConfig(compile=True), out):
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((out / ".cache/inductor").resolve())
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        assert cache_dir() == str((out / ".cache/inductor").resolve())  # where inductor writes
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+    with compile_cache(KernelsConfig(), out):
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+
+
+def test_fixed_tuning_is_inductors_deterministic_mode_and_timed_tuning_is_reported(tmp_path, caplog):
+    assert compile_options("default", "fixed") == {"options": {"deterministic": True}}
+    assert compile_options("coordinate-descent", "timed") == {"options": {"coordinate_descent_tuning": True}}
+    assert compile_options("max-autotune-no-cudagraphs", "fixed")["options"]["max_autotune"]
+    with pytest.raises(UserError, match=r"kernels.compile_tuning='fast' is not accepted; choose one of \['fixed', 'timed'\]"):
+        check_kernels(KernelsConfig(compile=True, compile_tuning="fast"))
+    assert not_reproducible(KernelsConfig(compile=True, fuse_residual=True, compile_scope="norms")) is None
+    assert not_reproducible(KernelsConfig(compile=True, compile_dynamic=False)) is None
+    assert "first shape" in not_reproducible(KernelsConfig(compile=True, compile_scope="blocks"))
+
+    tiny = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    report = apply_kernels(KernelsConfig(compile=True, compile_scope="blocks", compile_tuning="timed"), tiny, None, shapes=1)
+    assert report["compile_tuning"] == "timed" and report["reproducible"] is False
+    assert "compile_tuning=timed" in report["not_reproducible"]
+    with caplog.at_level("WARNING", logger="pipeline.kernels.compile"):
+        with compile_cache(KernelsConfig(compile=True, compile_tuning="timed"), tmp_path):
+            pass
+    assert "not the same kernels in every process" in caplog.text  # said at the job's start
+
+
+def test_stats_json_splits_start_up_into_stages(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", SIZES)
+    report = run(cpu_job(manifest, tmp_path / "out", *SMALL))
+    startup = stats(tmp_path / "out")["startup_s"]
+    assert list(startup) == list(STAGES) and startup == report["startup_s"]
+    assert all(startup[stage] >= 0 for stage in STAGES)
+    assert startup["imports"] > 0 and startup["first_batch"] > 0  # this test process started before the job
+    job_part = sum(startup[stage] for stage in STAGES[1:-1])
+    assert startup["total"] == pytest.approx(startup["imports"] + job_part, abs=0.05)
+    assert job_part <= report["wall_s"]
+    assert stats(tmp_path / "out")["shards"][0]["startup_s"] == startup
+
+    again = run(cpu_job(manifest, tmp_path / "out", *SMALL))  # nothing left to do: no first batch
+    assert again["startup_s"]["first_batch"] is None and again["startup_s"]["total"] is None
+
+    written = stats(tmp_path / "out")
+    del written["startup_s"], written["shards"][0]["startup_s"]  # a stats.json from before the field
+    assert RunReport.from_dict(written, "old stats.json").startup_s is None
+
+
+def test_a_job_stopped_after_some_batches_resumes_to_the_same_images(tmp_path, monkeypatch):
+    """The test-only BCG_STOP_AFTER_BATCHES stops a job the way SIGTERM does: the queued batches are
+    committed and the job raises Interrupted; the same command then finishes it."""
+    manifest = write_manifest(tmp_path / "m.parquet", SIZES)
+    run(cpu_job(manifest, tmp_path / "whole", *SMALL))
+    monkeypatch.setenv(STOP_AFTER_BATCHES, "1")
+    with pytest.raises(Interrupted) as stopped:
+        run(cpu_job(manifest, tmp_path / "resumed", *SMALL))
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert 0 < len(images(tmp_path / "resumed")) < len(SIZES)
+    monkeypatch.delenv(STOP_AFTER_BATCHES)
+    finished = run(cpu_job(manifest, tmp_path / "resumed", *SMALL))
+    assert finished["images"]["skipped"] > 0
+    assert images(tmp_path / "resumed") == images(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_same_images(tmp_path):
+    """kernels.compile (fuse_residual's layer norms) on the tiny model: the job stopped in one process
+    and resumed in another gives the uninterrupted job's bytes, and the second process loads what
+    the first compiled from the job's cache instead of compiling."""
+    manifest = write_manifest(tmp_path / "m.parquet", SIZES)
+    whole = run(cpu_job(manifest, tmp_path / "whole", *SMALL, *NORMS))
+    assert whole["kernels"]["cache_misses"] > 0 and (tmp_path / "whole" / JOB_CACHE / "fxgraph").is_dir()
+    assert whole["kernels"]["reproducible"] is True
+
+    common = ("-m", "pipeline.run", f"manifest.path={manifest}", f"output.dir={tmp_path / 'resumed'}",
+              "precision=fp32", "runtime.device=cpu", "runtime.progress=false", *SMALL, *NORMS)
+    stopped = run_python(*common, env={STOP_AFTER_BATCHES: "1"})
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
+    resumed = run_python(*common)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    kernels = stats(tmp_path / "resumed")["kernels"]  # the resuming process's
+    assert kernels["cache_hits"] >= 1 and kernels["cache_misses"] == 0
+    assert stats(tmp_path / "resumed")["startup_s"]["first_batch"] > 0  # a warm start, by stage
+    assert kernels["compile_cache_dir"] == str((tmp_path / "resumed" / JOB_CACHE).resolve())
+    assert images(tmp_path / "resumed") == images(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_the_compiled_layer_norm_is_one_kernel_whatever_row_count_comes_first(tmp_path):
+    """fuse_residual's dynamic norm is generated for a fixed row-count hint: two processes whose first
+    batches differ (shards, jobs) generate the same code."""
+    generated = []
+    for first_rows, cache in ((32, "a"), (4096, "b")):
+        torch._dynamo.reset()
+        with compile_cache(KernelsConfig(compile=True, compile_cache_dir=str(tmp_path / cache)), tmp_path):
+            norm, _ = compiled_functions(True, compile_options("default", "fixed"), compile_options("default", "fixed"))
+            norm(torch.randn(first_rows, 16), torch.zeros(16), torch.zeros(2, 16), 1e-6)
+        code = [p.read_text().splitlines() for p in (tmp_path / cache).rglob("*.py")]
+        # less the line that numbers the compiles of this process
+        generated.append(sorted("\n".join(line for line in c if not line.startswith("# AOT ID")) for c in code))
+    assert generated[0] and generated[0] == generated[1]
