@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
+from pipeline.completion import CONTACT_SHEET
 from pipeline.fsutil import atomic_write_bytes
 from pipeline.writer import SHARDS_DIR, encode_png
 
-CONTACT_SHEET = "contact_sheet.png"
 CELL = 96  # pixels per image cell, square; images are scaled by a whole factor (nearest) to fit
 CAPTION_LINES = 2
 LINE = 12  # pixels per caption line

@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from bcg.metrics import EngineTotals
+from pipeline.completion import STATS, SUCCESS, success_record
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.fsutil import atomic_write_text
@@ -28,8 +29,6 @@ from pipeline.stats import per_second
 from pipeline.writer import SHARDS_DIR
 
 PARTS_DIR = "parts"
-SUCCESS = "_SUCCESS"
-STATS = "stats.json"
 
 
 class IncompleteError(RuntimeError):
@@ -119,7 +118,7 @@ def merge(out_dir: Path, count: int | None = None) -> RunReport:
         raise IncompleteError(f"{out_dir}: {len(missing)} of {count} shards not complete yet: {missing}")
     merged = merge_stats(parts, committed_status(out_dir))
     merged.write(Path(out_dir) / STATS)
-    atomic_write_text(Path(out_dir) / SUCCESS, "")
+    atomic_write_text(Path(out_dir) / SUCCESS, success_record(parts[0].config))
     return merged
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO, rows, run_cli, write_manifest
+from conftest import REPO, rows, run_cli, run_python, write_manifest
 from pipeline.config import resolve_job
 from pipeline.exit_codes import README_BEGIN, README_END, ExitCode
 from pipeline.overrides import check_overrides
@@ -232,3 +232,17 @@ def test_readmes_first_command_run_twice_resumes_in_one_directory(tmp_path):
     again = run_cli("+job=demo", *TINY_CPU, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to do" in again.stdout + again.stderr and [p.name for p in out.parent.iterdir()] == ["demo"]
+
+
+@pytest.mark.slow
+def test_a_finished_job_run_again_ends_before_torch_unless_the_job_changed(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
+    job = ("+job=dataset", f"manifest.path={manifest}", "output.dir=out", *TINY_CPU)
+    assert run_cli(*job, cwd=tmp_path).returncode == 0
+    again = run_python("-X", "importtime", "-m", "pipeline.run", *job, cwd=tmp_path)
+    assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr, again.stderr[-3000:]
+    assert not imported(again) & {"torch", "diffusers"}
+    write_manifest(manifest, rows(("a", 64, 64, 1), ("b", 64, 64, 2)))  # the same rows, a new file: the full check
+    changed = run_python("-X", "importtime", "-m", "pipeline.run", *job, cwd=tmp_path)
+    assert changed.returncode == 0 and "torch" in imported(changed), changed.stderr[-3000:]
+    assert "nothing to do: all 2 images" in changed.stdout + changed.stderr
