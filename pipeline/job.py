@@ -38,11 +38,14 @@ from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
-from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
+from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, keys_to_clear, read_committed, remove_batches
+from pipeline.encoding import encoding_of
+from pipeline.layouts import STAGING_DIR, embeds
+from pipeline.shard_files import group_batches
 from pipeline.sharding import ShardSpec, shard_batches
-from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Writer, reserved_columns, shard_schema
+from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Output, Writer, reserved_columns, row_schema
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class Generated:
     generate_s: float  # first batch queued to the writer's last commit
     writer_busy_s: float
     gpu_busy: GpuBusyReport | None
+    output: OutputReport  # what the writer wrote
 
 
 @job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
@@ -124,7 +128,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
         # 8. The denoiser's engine on that ladder, then the batches not committed under output.dir yet.
         built.denoiser.attach(engine_factory(cfg, ladder.ladder, setup.device))
-        todo = batches_left(setup.out_dir, planned, built.fields, cfg.output.on_conflict, setup.shard)
+        todo = batches_left(setup.out_dir, planned, built.fields, cfg.output, setup.shard)
 
         # 9. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
         prompts = prompt_cache(built.adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES,
@@ -137,7 +141,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
         # 11. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
         #     for its results. A stop signal takes effect once the queued batches are committed.
-        generated = generate(built, prompts, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
+        generated = generate(built, prompts, planned, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
 
         # 12. This part's report, under parts/.
         report = part_report(cfg, setup, stats, planned, todo, len(bad), built, ladder, prompts, generated,
@@ -223,7 +227,7 @@ def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
     if bad:
         atomic_write_table(out_dir / ERRORS, errors_table(bad))
         log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
-    removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR))
+    removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR, STAGING_DIR))
     if removed:
         log.info("removed %d temporary files left by a process that died", removed)
 
@@ -252,7 +256,7 @@ def engine_factory(cfg: JobConfig, ladder: list[int], device: torch.device) -> C
 def job_fields(cfg: JobConfig, model: str, sampler: str, precision: dict) -> dict[str, Any]:
     """What every output row of this job says about how it was made; `settings` digests the rest."""
     return {"steps": cfg.sampler.steps, "guidance_scale": cfg.sampler.guidance_scale, "model": model,
-            "sampler": sampler, "settings": settings_digest(cfg, precision)}
+            "sampler": sampler, "settings": settings_digest(cfg, precision), **encoding_of(cfg.output).fields()}
 
 
 def settings_digest(cfg: JobConfig, precision: dict) -> str:
@@ -266,19 +270,19 @@ def settings_digest(cfg: JobConfig, precision: dict) -> str:
     return hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def batches_left(out_dir: Path, planned: ShardPlan, fields: dict[str, Any], on_conflict: str,
+def batches_left(out_dir: Path, planned: ShardPlan, fields: dict[str, Any], output: OutputConfig,
                  shard: ShardSpec) -> list[Batch]:
     """This shard's batches minus those committed earlier; refuses (or, with overwrite, clears)
     committed batches that no longer match the job. With batches left the job is reopened."""
     committed = read_committed(out_dir)
-    conflicts = find_conflicts(planned.plan.batches, committed, fields)
-    if conflicts and on_conflict == "error":
+    conflicts = find_conflicts(planned.plan.batches, committed, fields, output.layout)
+    if conflicts and output.on_conflict == "error":
         raise ResumeConflict(conflict_message(conflicts, out_dir))
     if conflicts:
         log.warning("output.on_conflict=overwrite: regenerating %d committed batches that changed", len(conflicts))
-        remove_batches(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0))
+        remove_batches(committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0))
     mine = planned.mine
-    done = set(committed.rows) - set(conflicts)
+    done = set(committed.batches) - set(conflicts)
     if done & {b.key for b in mine}:
         log.info("resuming: %d of %d batches already committed", len(done & {b.key for b in mine}), len(mine))
     todo = [b for b in mine if b.key not in done]
@@ -305,11 +309,13 @@ def capture(denoiser: Denoiser, todo: list[Batch], mode: str) -> None:
     denoiser.capture_all(sorted(shapes), shapes if mode == "plan" else None)
 
 
-def generate(built: Built, prompts: PromptCache, todo: list[Batch], extras: pa.Schema, output: OutputConfig,
-             runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
-    """Every batch of `todo` queued on the device and committed by the writer thread."""
-    writer = Writer(out_dir, shard_schema(extras, output.embed_images), output.queue_size, output.png_compress_level,
-                    output.embed_images, output.encode_threads)
+def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[Batch], extras: pa.Schema,
+             output: OutputConfig, runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
+    """Every batch of `todo` queued on the device and committed by the writer thread, which writes
+    this shard's shard files as their batches complete."""
+    writer = Writer(out_dir, Output(output.layout, encoding_of(output), row_schema(extras, embeds(output.layout))),
+                    group_batches(planned.plan.batches, planned.mine, output.shard_size), output.queue_size,
+                    output.encode_threads)
     busy = GpuBusy(built.adapter.device)
     inflight = Inflight(runtime.inflight_batches)
     stats.generate_started = time.perf_counter()
@@ -329,7 +335,9 @@ def generate(built: Built, prompts: PromptCache, todo: list[Batch], extras: pa.S
         writer.close()
         built.denoiser.engine.close()
     generate_s = time.perf_counter() - stats.generate_started
-    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s))
+    written = OutputReport(layout=output.layout, shard_files=writer.assembler.shard_files,
+                           bytes_per_format=dict(sorted(writer.bytes_per_format.items())))
+    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s), written)
 
 
 def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, todo: list[Batch], invalid: int,
@@ -349,6 +357,7 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         bcg=engine.metrics.report(),
         prompt_cache=PromptCacheCounts(encoded=prompts.encoded, hits=prompts.hits),
         writer_busy_s=generated.writer_busy_s,
+        output=generated.output,
         gpu_busy=generated.gpu_busy,
         kernels={**built.kernels, "first_pass_s": round(engine.metrics.first_pass_s, 4),
                  **(compile_stats(since=built.compiled_before) if k.compile or k.compile_decoder else {})},

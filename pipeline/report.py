@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import types
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -64,6 +64,16 @@ class GpuBusyReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OutputReport:
+    """What the writer made (`output.layout`). A part: what this run wrote; stats.json: what the
+    shard files on disk hold, over every run that added to them."""
+
+    layout: str
+    shard_files: int
+    bytes_per_format: dict[str, int]  # encoded image bytes, by output.format
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardEntry:
     """One shard's figures in stats.json's `shards`."""
 
@@ -102,6 +112,7 @@ class Report:
     model: str
     prompt_cache: PromptCacheCounts
     writer_busy_s: float
+    output: OutputReport | None = None  # absent from reports written before it existed
     gpu_busy: GpuBusyReport | None  # None off CUDA
     kernels: dict[str, Any]  # what pipeline.kernels applied and observed (open-ended)
     ladder_auto: dict[str, Any] | None  # bcg.ladder=auto: the calibration, when this run made it
@@ -192,13 +203,15 @@ def _record(tp: type, value: Any, source: str, where: str) -> Any:
     if not isinstance(value, dict):
         raise ReportError(f"{source}: `{where}` is {value!r}, not an object ({tp.__name__})")
     names = [f.name for f in fields(tp)]
-    missing, unknown = [n for n in names if n not in value], [k for k in value if k not in names]
+    optional = {f.name for f in fields(tp) if f.default is not MISSING or f.default_factory is not MISSING}
+    missing = [n for n in names if n not in value and n not in optional]
+    unknown = [k for k in value if k not in names]
     if missing or unknown:
         what = "; ".join(part for part in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if part)
         raise ReportError(f"{source}: {f'`{where}`' if where else 'the report'} ({tp.__name__}) has keys that do not "
                           f"match this version's: {what}")
     hints = get_type_hints(tp)
-    return tp(**{n: _typed(hints[n], value[n], source, f"{where}.{n}".lstrip(".")) for n in names})
+    return tp(**{n: _typed(hints[n], value[n], source, f"{where}.{n}".lstrip(".")) for n in names if n in value})
 
 
 def _union(options: tuple, value: Any, source: str, where: str) -> Any:

@@ -1,83 +1,57 @@
 """Resume: what is already committed under output.dir, and whether it still matches the job.
 
-A batch is committed when its shard file `shards/<batch key>.parquet` exists: the writer renames it
-into place after the batch's images, so it is never partial. On start the job skips committed
-batches and runs the rest exactly as planned. If a committed row no longer matches the job (the
-manifest row or the generation settings changed, or the plan put other ids in that batch) the job
-refuses and names the ids, unless `output.on_conflict=overwrite`.
+A batch is committed once it is staged or in a shard file (`pipeline.committed` reads which from
+their footers). On start the job skips committed batches and runs the rest exactly as planned. If a
+committed batch no longer matches the job (the manifest row or the generation or output settings
+changed, or the plan put other ids in that batch) the job refuses and names the ids, unless
+`output.on_conflict=overwrite`. A batch matches when its digest does (`pipeline.shard_files`); its
+rows are read only when it does not, to say what changed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from pipeline.committed import Committed, clear, read_committed
 from pipeline.errors import UserError
-from pipeline.fsutil import TMP_PREFIX
 from pipeline.planner import Batch
-from pipeline.writer import IMAGES_DIR, SHARDS_DIR
+from pipeline.shard_files import COMPARED, norm, planned_digest
 
-# Shard columns that must equal what the job would write now for a committed row to count as done.
-COMPARED = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "guidance_scale", "model", "sampler", "settings")
+__all__ = ["COMPARED", "Committed", "ResumeConflict", "conflict_message", "find_conflicts", "keys_to_clear",
+           "read_committed", "remove_batches"]
 
 
 class ResumeConflict(UserError):
     """Committed outputs disagree with the job; the message names the ids."""
 
 
-@dataclass(frozen=True)
-class Committed:
-    rows: dict[str, list[dict[str, Any]]]  # batch key -> its shard rows (COMPARED + id)
-
-    @property
-    def ids(self) -> int:
-        return sum(len(r) for r in self.rows.values())
-
-
-def read_committed(out_dir: Path) -> Committed:
-    shards = Path(out_dir) / SHARDS_DIR
-    rows: dict[str, list[dict[str, Any]]] = {}
-    if shards.is_dir():
-        for path in sorted(shards.glob("*.parquet")):
-            if path.name.startswith(TMP_PREFIX):
-                continue
-            try:
-                rows[path.stem] = pq.read_table(path, columns=["id", *COMPARED]).to_pylist()
-            except (pa.ArrowInvalid, KeyError) as err:  # a file cut short by a power loss, or not ours
-                raise ResumeConflict(
-                    f"{path} cannot be read as a committed batch ({err}); delete it to regenerate that batch"
-                ) from None
-    return Committed(rows)
-
-
-def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, fields: dict[str, Any]) -> dict[str, str]:
+def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, fields: dict[str, Any],
+                   layout: str) -> dict[str, str]:
     """Committed batch key -> why it no longer matches the full plan (missing key: it matches).
-    `fields` are the job-wide values of each output row (steps, guidance, model, sampler, settings)."""
+    `fields` are the job-wide values of each output row (steps, guidance, model, sampler, settings,
+    format, quality); `layout` the job's output.layout."""
     planned = {b.key: b for b in plan_batches}
     conflicts = {}
-    for key, rows in committed.rows.items():
+    for key, found in committed.batches.items():
         batch = planned.get(key)
         if batch is None:
-            conflicts[key] = f"batch not in the plan any more (ids {_ids(rows)})"
+            conflicts[key] = f"batch not in the plan any more (ids {_ids(found.entry.ids)})"
             continue
-        if [r["id"] for r in rows] != [it.id for it in batch.items]:
-            conflicts[key] = f"the plan puts other ids in this batch (committed {_ids(rows)})"
+        if found.layout != layout:
+            conflicts[key] = f"written with output.layout={found.layout}"
             continue
-        for row, item in zip(rows, batch.items):
-            changed = [f for f in COMPARED if _norm(f, row[f]) != _norm(f, {**item.fields(), **fields}[f])]
+        if found.entry.digest == planned_digest(batch, fields):
+            continue
+        if list(found.entry.ids) != [it.id for it in batch.items]:
+            conflicts[key] = f"the plan puts other ids in this batch (committed {_ids(found.entry.ids)})"
+            continue
+        for row, item in zip(committed.rows(key), batch.items):
+            changed = [f for f in COMPARED if norm(f, row[f]) != norm(f, {**item.fields(), **fields}[f])]
             if changed:
                 conflicts[key] = f"id {item.id!r}: {', '.join(changed)} changed"
                 break
     return conflicts
-
-
-def _norm(field: str, value: Any) -> Any:
-    # A missing negative prompt means "" (diffusers' default): the same image either way.
-    return (value or "") if field == "negative_prompt" else value
 
 
 def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) -> str:
@@ -88,6 +62,8 @@ def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) 
     if any("not in the plan" in why or "other ids" in why for why in conflicts.values()):
         lines.append("The plan changed: rows were added or removed, or bcg.ladder / bcg.batch_overhead_rows "
                      "differ from the run that committed these batches.")
+    if any("output.layout" in why for why in conflicts.values()):
+        lines.append("output.layout changed: the committed shards are in another layout.")
     if any("settings" in why for why in conflicts.values()):
         lines.append("'settings' covers the model config, precision, bcg.scope, the sampler config and kernels "
                      "other than the default.")
@@ -102,17 +78,12 @@ def keys_to_clear(conflicts: dict[str, str], plan_batches: Sequence[Batch], mine
     return sorted(k for k in conflicts if k in own or (first_shard and k not in planned))
 
 
-def remove_batches(out_dir: Path, committed: Committed, keys: Sequence[str]) -> None:
-    """output.on_conflict=overwrite: drop conflicting shard files (their images are rewritten or,
-    for ids no longer planned, removed), so the directory never mixes two jobs."""
-    for key in keys:
-        for row in committed.rows[key]:
-            image = Path(out_dir) / IMAGES_DIR / f"{row['id']}.png"
-            if image.parent == Path(out_dir) / IMAGES_DIR:  # an id read back from disk: stay inside
-                image.unlink(missing_ok=True)
-        (Path(out_dir) / SHARDS_DIR / f"{key}.parquet").unlink(missing_ok=True)
+def remove_batches(committed: Committed, keys: Sequence[str]) -> None:
+    """output.on_conflict=overwrite: take the conflicting batches out (their images are rewritten
+    or, for ids no longer planned, removed), so the directory never mixes two jobs."""
+    clear(committed, keys)
 
 
-def _ids(rows: list[dict[str, Any]], limit: int = 5) -> str:
-    ids = [repr(r["id"]) for r in rows]
+def _ids(ids: Sequence[str], limit: int = 5) -> str:
+    ids = [repr(i) for i in ids]
     return ", ".join(ids[:limit]) + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
