@@ -152,3 +152,11 @@ def _restage(out_dir: Path, layout: str, meta: Path, keep: list[BatchEntry]) -> 
             rows[entry.key][failed["id"]] = failed
         table = pa.Table.from_pylist([rows[entry.key][i] for i in entry.ids], schema=schema)
         stage(out_dir, layout, table, entry)
+
+
+def read_images(out_dir: Path, ids: set[str] | None = None) -> dict[str, bytes]:
+    """id -> encoded image, for every sample of the shard files (of `ids` only, if given), in any
+    layout. All in memory: for comparisons and contact sheets, not for a whole large dataset."""
+    committed = read_committed(out_dir)
+    layouts = {b.source: b.layout for b in committed.batches.values() if not b.staged}
+    return {row["id"]: data for meta in committed.shards() for row, data in read_samples(out_dir, layouts[meta], meta, ids)}

@@ -183,9 +183,11 @@ def read_rows(path: Path, keys: Iterable[str] | None = None, columns: list[str] 
     return pq.read_table(path, columns=columns, filters=filters)
 
 
-def read_samples(out_dir: Path, layout: str, meta: Path) -> Iterator[tuple[dict[str, Any], bytes]]:
-    """Each ok row of a shard (its `.parquet`) with its image's bytes, in shard order."""
-    rows = pq.read_table(meta).to_pylist()
+def read_samples(out_dir: Path, layout: str, meta: Path,
+                 ids: set[str] | None = None) -> Iterator[tuple[dict[str, Any], bytes]]:
+    """Each ok row of a shard (its `.parquet`; of `ids` only, if given) with its image's bytes, in
+    shard order."""
+    rows = [r for r in pq.read_table(meta).to_pylist() if ids is None or r["id"] in ids]
     if layout == "parquet":
         for row in rows:
             yield row, row.pop(IMAGE_FIELD.name)["bytes"]
