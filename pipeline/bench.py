@@ -57,7 +57,8 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
 
     # What the job would refuse, refused before the baseline spends its minutes.
     check_choices(cfg)
-    items, _, _ = read_valid_manifest(cfg)
+    manifest, _, _ = read_valid_manifest(cfg)
+    items = manifest.items()
     if not items:
         raise UserError(f"+job=bench: manifest {cfg.manifest.path} has no valid row to compare on")
     if cfg.shard.count > 1:

@@ -30,11 +30,11 @@ from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compi
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
-from pipeline.manifest import BadRow, Item, ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
+from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_limits
 from pipeline.models.base import Adapter
-from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
+from pipeline.planner import Batch, Plan, buckets_by_resolution
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
@@ -44,7 +44,7 @@ from pipeline.resume import ResumeConflict, conflict_message, find_conflicts, ke
 from pipeline.encoding import encoding_of
 from pipeline.layouts import STAGING_DIR, embeds
 from pipeline.shard_files import group_batches
-from pipeline.sharding import ShardSpec, shard_batches
+from pipeline.sharding import ShardSpec, plan_shard
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Output, Writer, reserved_columns, row_schema
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    plan: Plan  # the whole job's (every shard computes the same)
+    plan: Plan  # the whole job's batches as shapes, without items (every shard computes the same)
     mine: list[Batch]  # this shard's batches of it
 
     @property
@@ -103,27 +103,27 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     setup, stats = start(cfg)
 
     # 2. Read and validate the manifest against the model's limits (no weights needed for that).
-    items, bad, extras = read_valid_manifest(cfg)
+    manifest, bad, extras = read_valid_manifest(cfg)
 
     # 3. Resolve the ladder: bcg.ladder, or with bcg.ladder=auto the choice an earlier run of this job
     #    saved; a new auto choice waits for the model (step 7).
-    ladder = resolve_ladder(cfg.bcg, items, setup.shard, setup.device, setup.out_dir,
+    ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
                             settings_digest(cfg, setup.precision))
 
     # 4. Plan the whole job (every shard computes the same plan), then take this shard's slice.
-    planned = plan_ladder(ladder, items, cfg, setup.shard)
+    planned = plan_ladder(ladder, manifest, cfg, setup.shard)
 
     with JobLock(setup.out_dir, setup.shard.name), StopSignals() as stop, compile_cache(cfg.kernels.compile_cache_dir):
         # 5. The bad rows' reasons; the temporary files of a process that died.
         prepare_output(setup.out_dir, bad)
 
         # 6. The model and its kernels, and the denoiser that runs it in bcg.scope.
-        built = build(cfg, items, setup, adapter)
+        built = build(cfg, manifest, setup, adapter)
         stop.check()
 
         # 7. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
         #    choice is saved so that a resumed job plans the same).
-        ladder, planned = calibrated_plan(ladder, planned, cfg, items, built.denoiser, setup)
+        ladder, planned = calibrated_plan(ladder, planned, cfg, manifest, built.denoiser, setup)
         stop.check()
 
         # 8. The denoiser's engine on that ladder, then the batches not committed under output.dir yet.
@@ -174,12 +174,13 @@ def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
     check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
 
 
-def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Schema]:
-    """-> (valid items, bad rows, extra columns); refuses the manifest (ManifestError) when its
-    columns clash with ours, or when it has bad rows and manifest.on_invalid=error."""
+def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Schema]:
+    """-> (the valid rows, bad rows, extra columns); refuses the manifest (ManifestError) when its
+    columns clash with ours, or when it has bad rows and manifest.on_invalid=error. Every row is
+    checked (the plan depends on which are valid), columnwise; no item is made yet."""
     granularity, max_side = model_limits(cfg.model)
-    items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
-    items, bad = check_items(cfg.model, items, bad)  # the family's own row checks (DiT class names)
+    manifest, bad = scan_manifest(cfg.manifest.path, granularity, max_side)
+    manifest, bad = check_items(cfg.model, manifest, bad)  # the family's own row checks (DiT class names)
     extras = extra_schema(cfg.manifest.path)
     clashing = reserved_columns(extras)
     if clashing:
@@ -192,29 +193,31 @@ def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Sc
             format_bad_rows(bad, source=str(cfg.manifest.path))
             + "\nNothing was generated. Fix these rows, or pass manifest.on_invalid=skip to generate the rest."
         )
-    return items, bad, extras
+    return manifest, bad, extras
 
 
-def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, cfg: JobConfig, items: list[Item],
+def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, cfg: JobConfig, manifest: Manifest,
                     denoiser: Denoiser, setup: Setup) -> tuple[LadderDecision, ShardPlan]:
     """A decided ladder and its plan as they are; a pending one calibrated, planned and saved."""
     if not decision.pending:
         return decision, planned
-    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, items, denoiser, setup.device)
-    planned = plan_ladder(decision, items, cfg, setup.shard)
+    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, manifest.counts(), denoiser,
+                                setup.device)
+    planned = plan_ladder(decision, manifest, cfg, setup.shard)
     save_choice(setup.out_dir, decision.costs, decision.fingerprint, decision.auto_report)
     return decision, planned
 
 
-def plan_ladder(decision: LadderDecision, items: list[Item], cfg: JobConfig, shard: ShardSpec) -> ShardPlan | None:
+def plan_ladder(decision: LadderDecision, manifest: Manifest, cfg: JobConfig, shard: ShardSpec) -> ShardPlan | None:
     """The plan on a decided ladder (None while it is pending: step 7 plans then), with the costs
     auto measured or else the linear model, and this shard's batches of it (split by `row_cost`,
-    with attention's share from the model's config)."""
+    with attention's share from the model's config): the whole plan's batches from the row counts,
+    items for this shard's batches only."""
     if decision.pending:
         return None
     overhead = cfg.bcg.batch_overhead_rows
-    plan = make_plan(items, decision.ladder, overhead, decision.costs)
-    mine = shard_batches(plan, shard, overhead, attention_pixels(cfg.model) if shard.count > 1 else None)
+    plan, mine = plan_shard(manifest, decision.ladder, overhead, decision.costs, shard,
+                            attention_pixels(cfg.model) if shard.count > 1 else None)
     log.info(
         "plan: %d images in %d batches over %d resolutions, ladder %s, %d padded rows%s",
         plan.items, len(plan.batches), len(plan.resolutions()), list(plan.ladder), plan.padded_rows,
@@ -232,13 +235,13 @@ def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
         log.info("removed %d temporary files left by a process that died", removed)
 
 
-def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None) -> Built:
+def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | None) -> Built:
     """The model (unless the caller built it), its kernels (`kernels`), and its denoiser."""
     adapter = adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype])
-    resolutions = sorted({(it.height, it.width) for it in items})
+    resolutions = manifest.resolutions()
     compiled_before = compile_stats()
     kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
-                            texts=manifest_texts(items))
+                            texts=manifest_texts(manifest))
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     fields = job_fields(cfg, adapter.name, denoiser.sampler_label, setup.precision)
     return Built(adapter, denoiser, kernels, compiled_before, fields)
@@ -275,7 +278,7 @@ def batches_left(out_dir: Path, planned: ShardPlan, fields: dict[str, Any], outp
     """This shard's batches minus those committed earlier; refuses (or, with overwrite, clears)
     committed batches that no longer match the job. With batches left the job is reopened."""
     committed = read_committed(out_dir)
-    conflicts = find_conflicts(planned.plan.batches, committed, fields, output.layout)
+    conflicts = find_conflicts(planned.plan.batches, planned.mine, committed, fields, output.layout)
     if conflicts and output.on_conflict == "error":
         raise ResumeConflict(conflict_message(conflicts, out_dir))
     if conflicts:

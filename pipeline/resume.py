@@ -26,17 +26,21 @@ class ResumeConflict(UserError):
     """Committed outputs disagree with the job; the message names the ids."""
 
 
-def find_conflicts(plan_batches: Sequence[Batch], committed: Committed, fields: dict[str, Any],
+def find_conflicts(plan_batches: Sequence, mine: Sequence[Batch], committed: Committed, fields: dict[str, Any],
                    layout: str) -> dict[str, str]:
-    """Committed batch key -> why it no longer matches the full plan (missing key: it matches).
-    `fields` are the job-wide values of each output row (steps, guidance, model, sampler, settings,
-    format, quality); `layout` the job's output.layout."""
-    planned = {b.key: b for b in plan_batches}
+    """Committed batch key -> why it no longer matches the job (missing key: it matches): keys the
+    full plan (`plan_batches`, batches or their shapes) lacks, and this shard's batches (`mine`)
+    that differ; another shard's batches are that shard's to check. `fields` are the job-wide
+    values of each output row (steps, guidance, model, sampler, settings, format, quality);
+    `layout` the job's output.layout."""
+    planned, own = {b.key for b in plan_batches}, {b.key: b for b in mine}
     conflicts = {}
     for key, found in committed.batches.items():
-        batch = planned.get(key)
-        if batch is None:
+        if key not in planned:
             conflicts[key] = f"batch not in the plan any more (ids {_ids(found.entry.ids)})"
+            continue
+        batch = own.get(key)
+        if batch is None:
             continue
         if found.layout != layout:
             conflicts[key] = f"written with output.layout={found.layout}"
