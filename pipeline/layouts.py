@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -61,6 +62,7 @@ BASE_FIELDS = [
     pa.field("sha256", pa.string()),  # of the encoded image
 ]
 IMAGE_FIELD = pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+IMAGE_BYTES = "image.bytes"  # its Parquet column
 RESERVED = frozenset(f.name for f in BASE_FIELDS) | {IMAGE_FIELD.name}
 HF_IMAGE_FEATURE = {b"huggingface": json.dumps({"info": {"features": {"image": {"_type": "Image"}}}}).encode()}
 
@@ -122,10 +124,24 @@ def _without_image(x):
 
 def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], index: dict[bytes, bytes],
                    row_group_rows: int | None) -> None:
-    with atomic_file(path) as f, pq.ParquetWriter(f, schema) as writer:
+    with atomic_file(path) as f, pq.ParquetWriter(f, schema, **_encodings(schema)) as writer:
         for chunk in _chunks(tables, row_group_rows):
             writer.write_table(chunk, row_group_size=chunk.num_rows)
         writer.add_key_value_metadata(index)
+
+
+@lru_cache(maxsize=8)
+def _encodings(schema: pa.Schema) -> dict[str, Any]:
+    """Image bytes are compressed already: stored plain, without a dictionary (which pyarrow would
+    try, then drop, for every page) or snappy; every other column as pyarrow's defaults."""
+    if IMAGE_FIELD.name not in schema.names:
+        return {}
+    buf = io.BytesIO()
+    pq.write_table(schema.empty_table(), buf)
+    parquet_schema = pq.ParquetFile(pa.BufferReader(buf.getvalue())).schema
+    columns = [parquet_schema.column(i).path for i in range(len(parquet_schema))]
+    others = [c for c in columns if c != IMAGE_BYTES]
+    return {"use_dictionary": others, "compression": {**{c: "snappy" for c in others}, IMAGE_BYTES: "none"}}
 
 
 def _chunks(tables: Iterable[pa.Table], rows: int | None) -> Iterator[pa.Table]:

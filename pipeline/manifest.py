@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -314,21 +313,22 @@ def _extra_rows(table: pa.Table) -> list[dict[str, Any]]:
 _BAD_IN_ID = r"[/\\\x{00}-\x{1f}\x{7f}-\x{9f}]|\.\.|^\.$"
 
 
-@lru_cache(maxsize=1)
-def _only_space() -> str:
-    """An RE2 pattern for text made only of what str.strip() strips (str.isspace): a bad prompt."""
-    return "^[" + "".join(f"\\x{{{c:x}}}" for c in range(sys.maxunicode + 1) if chr(c).isspace()) + "]*$"
-def _plain(column: pa.ChunkedArray) -> pa.Array:
-    """One chunk, dictionary-encoded text decoded."""
-    array = column.combine_chunks()
-    return array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
+# What str.strip() strips (str.isspace, tests/test_manifest.py checks the set): a prompt of only
+# these is bad.
+_SPACE = r"\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}"
+_ONLY_SPACE = f"^[{_SPACE}]*$"
+
+
+def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Dictionary-encoded text decoded."""
+    return column.cast(column.type.value_type) if pa.types.is_dictionary(column.type) else column
 
 
 def _mask(array) -> np.ndarray:
     return pc.fill_null(array, True).to_numpy(zero_copy_only=False)
 
 
-def _numbers(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def _numbers(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """(values with nulls as 0, whether each is null or not a whole number)."""
     values = pc.fill_null(array, 0).to_numpy(zero_copy_only=False)
     bad = array.is_null().to_numpy(zero_copy_only=False)
@@ -339,17 +339,18 @@ def _numbers(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, bad
 
 
-def _suspect_ids(ids: pa.Array) -> np.ndarray:
+def _suspect_ids(ids: pa.ChunkedArray) -> np.ndarray:
     length = pc.utf8_length(ids)
     return (_mask(pc.equal(length, 0)) | _mask(pc.greater(length, MAX_ID_LENGTH))
             | _mask(pc.match_substring_regex(ids, _BAD_IN_ID)))
 
 
-def _first_rows(ids: pa.Array) -> np.ndarray:
+def _first_rows(ids: pa.ChunkedArray) -> np.ndarray:
     """Per row, the first row with its id (-1 for a missing or empty id): repeats are bad rows."""
     # Dictionary codes count distinct values in order of first appearance, so a row is the first
     # with its id exactly when its code exceeds every code before it.
-    codes = pc.fill_null(ids.dictionary_encode().indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    codes = pc.fill_null(ids.combine_chunks().dictionary_encode().indices, -1)  # one dictionary for every chunk
+    codes = codes.to_numpy(zero_copy_only=False).astype(np.int64)
     before = np.maximum.accumulate(np.concatenate([[-1], codes[:-1]]))
     first_of_code = np.flatnonzero(codes > before)  # [distinct ids]: the row where each first appears
     if not len(first_of_code):
@@ -358,15 +359,15 @@ def _first_rows(ids: pa.Array) -> np.ndarray:
     return np.where(named, first_of_code[np.maximum(codes, 0)], -1)
 
 
-def _suspect_prompts(prompts: pa.Array) -> np.ndarray:
-    return _mask(pc.match_substring_regex(prompts, _only_space()))
+def _suspect_prompts(prompts: pa.ChunkedArray) -> np.ndarray:
+    return _mask(pc.match_substring_regex(prompts, _ONLY_SPACE))
 
 
 def _suspect_sides(values: np.ndarray, bad: np.ndarray, granularity: int, max_side: int) -> np.ndarray:
     return bad | (values <= 0) | (values % granularity != 0) | (values > max_side)
 
 
-def _suspect_seeds(array: pa.Array) -> np.ndarray:
+def _suspect_seeds(array: pa.ChunkedArray) -> np.ndarray:
     values, bad = _numbers(array)
     if values.dtype.kind == "f":  # a float at or above 2**63 is above MAX_SEED (no float lies between)
         too_big = values >= 2.0**63
@@ -377,7 +378,7 @@ def _suspect_seeds(array: pa.Array) -> np.ndarray:
     return bad | (values < 0) | too_big
 
 
-def _row_problems(columns: dict[str, pa.Array], rows: np.ndarray, first: np.ndarray, granularity: int,
+def _row_problems(columns: dict[str, pa.ChunkedArray], rows: np.ndarray, first: np.ndarray, granularity: int,
                   max_side: int) -> dict[int, list[str]]:
     """The cell checks' reasons for these rows (the suspects), in the order the checks run."""
     take = pa.array(rows, pa.int64())

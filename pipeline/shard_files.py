@@ -22,11 +22,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from pipeline.manifest import Item
 from pipeline.planner import Batch
 
 # Output columns that must equal what the job would write now for a committed row to count as done.
-# The first are the manifest row's own, the rest the same for every row of a job (`fields`).
+# The first are the manifest row's own (planned_digest reads them off an Item in this order), the
+# rest the same for every row of a job (`fields`).
 OWN = ("prompt", "negative_prompt", "seed", "width", "height")
 JOB_WIDE = ("steps", "guidance_scale", "model", "sampler", "settings", "format", "quality")
 COMPARED = OWN + JOB_WIDE
@@ -91,7 +91,7 @@ class BatchEntry:
 def entry_of(key: str, rows: Sequence[Mapping[str, Any]], fmt: str) -> BatchEntry:
     """The index entry of a batch's rows, as the writer commits them."""
     failed = tuple({k: v for k, v in r.items() if k != "image"} for r in rows if r["status"] != "ok")
-    return BatchEntry(key, tuple(r["id"] for r in rows), batch_digest(row_values(r) for r in rows), fmt,
+    return BatchEntry(key, tuple(r["id"] for r in rows), rows_digest(rows), fmt,
                       sum(r["bytes"] for r in rows if r["status"] == "ok"), failed)
 
 
@@ -113,21 +113,20 @@ def norm(field: str, value: Any) -> Any:
     return (value or "") if field == "negative_prompt" else value
 
 
-def row_values(row: Mapping[str, Any]) -> list[Any]:
-    """What a batch's digest covers of one output row: its id and COMPARED."""
-    return [row["id"], *(norm(f, row[f]) for f in COMPARED)]
-
-
-def item_values(item: Item, job_wide: list[Any]) -> list[Any]:
-    """row_values of the row the job would write for `item` now (`job_wide`: JOB_WIDE's values)."""
-    return [item.id, item.prompt, item.negative_prompt or "", item.seed, item.width, item.height, *job_wide]
-
-
-def batch_digest(values: Iterable[list[Any]]) -> str:
-    return hashlib.sha256(json.dumps(list(values), default=str, separators=(",", ":")).encode()).hexdigest()[:32]
+def rows_digest(rows: Sequence[Mapping[str, Any]]) -> str:
+    """What a batch's rows were made from: each one's id and OWN values, and the JOB_WIDE values
+    they share (the writer's rows of one batch always do)."""
+    (job_wide,) = {tuple(r[f] for f in JOB_WIDE) for r in rows}
+    return _digest(job_wide, [(r["id"], *(norm(f, r[f]) for f in OWN)) for r in rows])
 
 
 def planned_digest(batch: Batch, fields: Mapping[str, Any]) -> str:
-    """The digest a committed batch must have to be this job's `batch`."""
-    job_wide = [fields[f] for f in JOB_WIDE]
-    return batch_digest(item_values(it, job_wide) for it in batch.items)
+    """The digest a committed batch must have to be this job's `batch` (`fields`: the job-wide
+    values of its rows)."""
+    return _digest(tuple(fields[f] for f in JOB_WIDE),
+                   [(it.id, it.prompt, it.negative_prompt or "", it.seed, it.width, it.height) for it in batch.items])
+
+
+def _digest(job_wide: tuple, own: list[tuple]) -> str:
+    # repr writes each of these values (str, int, float, None) one way, and tells them apart
+    return hashlib.sha256(repr((job_wide, own)).encode()).hexdigest()[:32]

@@ -26,7 +26,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from conftest import REPO, cpu_job, rows, write_manifest  # noqa: E402
+from conftest import REPO, cpu_job, rows, run_benchmark, write_manifest  # noqa: E402
 from pipeline.errors import UserError  # noqa: E402
 from pipeline.job import run  # noqa: E402
 from pipeline.manifest import Item  # noqa: E402
@@ -284,3 +284,18 @@ def test_bad_output_options_are_refused_by_name(tmp_path, override, message):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     with pytest.raises(UserError, match=message):
         run(cpu_job(manifest, tmp_path / "out", override))
+
+
+@pytest.mark.slow
+def test_bench_scale_script_plans_shards_and_scans_a_synthetic_output(tmp_path):
+    """benchmarks/bench_scale.py --smoke: its figures hang together (targets are for the full sizes)."""
+    out = tmp_path / "scale.json"
+    proc = run_benchmark("bench_scale.py", "--smoke", "--work", str(tmp_path / "w"), "--out", str(out))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    assert r["plan"]["rows"] == r["output"]["images"] == 20_000 and r["plan"]["own_items"] == 20_000
+    assert r["output"]["shard_files"] == r["resume_scan"]["shard_files"] == 5  # 20,000 images, 5,000 per shard
+    assert r["resume_scan"]["committed_batches"] == r["plan"]["batches"] and r["resume_scan"]["batches_left"] == 0
+    assert [b["shard_index"] for b in r["big"]] == [0, 5, 9] and all(b["rows"] == 200_000 for b in r["big"])
+    assert sum(b["own_items"] for b in r["big"]) < 200_000  # each process made items for its own share only
+    assert "| resume scan" in proc.stdout

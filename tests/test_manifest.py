@@ -454,3 +454,14 @@ def test_columnar_checks_give_the_reasons_of_the_row_by_row_checks(tmp_path, dat
     items, bad = read(tmp_path / "m.parquet")
     assert [(b.row, b.reasons) for b in bad] == reference(columns)
     assert [it.row for it in items] == sorted(set(range(n)) - {b.row for b in bad})
+
+
+def test_the_whitespace_the_columnar_check_knows_is_what_str_strip_strips():
+    import re
+    import sys
+
+    from pipeline.manifest import _SPACE
+
+    ranges = re.findall(r"\\x\{([0-9a-f]+)\}(?:-\\x\{([0-9a-f]+)\})?", _SPACE)
+    known = {c for a, b in ranges for c in range(int(a, 16), int(b or a, 16) + 1)}
+    assert known == {c for c in range(sys.maxunicode + 1) if chr(c).isspace()}
