@@ -104,7 +104,7 @@ def write_shard(out_dir: Path, layout: str, stem: str, schema: pa.Schema, staged
     """One shard from its batches' staged tables (`schema`: every row, with the image column where
     the layout embeds), in plan order: their ok rows, and the index in the `.parquet`'s footer."""
     *tar, meta = shard_paths(out_dir, layout, stem)
-    ok = (t.filter(pc.equal(t.column("status"), "ok")) for t in staged)
+    ok = (conform(t, schema).filter(pc.equal(t.column("status"), "ok")) for t in staged)
     index = encode_index(layout, entries)
     if layout == "parquet":
         write_parquet(meta, schema.with_metadata(HF_IMAGE_FEATURE), ok, index, EMBEDDED_ROW_GROUP_ROWS)
@@ -114,7 +114,17 @@ def write_shard(out_dir: Path, layout: str, stem: str, schema: pa.Schema, staged
     write_parquet(meta, _without_image(schema), (_without_image(t) for t in ok), index, None)
 
 
-def _without_image(x):
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A staged batch in the job's columns: a batch committed before the manifest gained an extra
+    column has it null; one it lost is left out."""
+    if table.schema.equals(schema, check_metadata=False):
+        return table
+    columns = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(len(table), f.type)
+               for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _without_image(x: pa.Table | pa.Schema) -> pa.Table | pa.Schema:
     """A table or schema without the image column."""
     name = IMAGE_FIELD.name
     if isinstance(x, pa.Schema):
@@ -123,7 +133,8 @@ def _without_image(x):
 
 
 def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], index: dict[bytes, bytes],
-                   row_group_rows: int | None) -> None:
+                  row_group_rows: int | None) -> None:
+    """`tables` as one Parquet file (row groups: `_chunks`), the key-value `index` in its footer."""
     with atomic_file(path) as f, pq.ParquetWriter(f, schema, **_encodings(schema)) as writer:
         for chunk in _chunks(tables, row_group_rows):
             writer.write_table(chunk, row_group_size=chunk.num_rows)
@@ -162,7 +173,7 @@ def _chunks(tables: Iterable[pa.Table], rows: int | None) -> Iterator[pa.Table]:
 
 
 def _write_tar(path: Path, tables: Iterable[pa.Table]) -> list[pa.Table]:
-    """Writes the tar of these ok rows; returns their tables for the `.parquet`."""
+    """Writes the tar of these ok rows; returns their tables, without the images, for the `.parquet`."""
     kept = []
     with atomic_file(path) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for table in tables:
@@ -172,7 +183,7 @@ def _write_tar(path: Path, tables: Iterable[pa.Table]) -> list[pa.Table]:
                 _add_member(tar, row["path"], image["bytes"])
                 _add_member(tar, f"{key}.txt", row["prompt"].encode())
                 _add_member(tar, f"{key}.json", sample_json(row))
-            kept.append(table)
+            kept.append(_without_image(table))
     return kept
 
 

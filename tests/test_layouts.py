@@ -299,3 +299,24 @@ def test_bench_scale_script_plans_shards_and_scans_a_synthetic_output(tmp_path):
     assert [b["shard_index"] for b in r["big"]] == [0, 5, 9] and all(b["rows"] == 200_000 for b in r["big"])
     assert sum(b["own_items"] for b in r["big"]) < 200_000  # each process made items for its own share only
     assert "| resume scan" in proc.stdout
+
+
+def test_a_shard_whose_batches_were_committed_before_the_manifest_gained_a_column_has_it_null(tmp_path, monkeypatch):
+    import pipeline.writer as writer
+
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*KILL_SPECS[:4]))
+    stage, staged = writer.stage, []
+
+    def stage_two_then_fail(*args):
+        if len(staged) == 2:
+            raise OSError(28, "No space left on device")
+        staged.append(stage(*args))
+
+    monkeypatch.setattr(writer, "stage", stage_two_then_fail)
+    with pytest.raises(writer.WriteError):
+        run(cpu_job(manifest, tmp_path / "out", *KILL_ARGS))
+    monkeypatch.setattr(writer, "stage", stage)
+    write_manifest(manifest, [{**r, "style": "new"} for r in rows(*KILL_SPECS[:4])])
+    assert run(cpu_job(manifest, tmp_path / "out", *KILL_ARGS))["images"]["skipped"] == 2
+    (shard,) = (tmp_path / "out" / "shards").glob("*.parquet")
+    assert [r["style"] for r in pq.read_table(shard).to_pylist()] == [None, None, "new", "new"]
