@@ -41,6 +41,9 @@
 #                                                # variant (chunked: kernels.compile_decoder's one compilation)
 #   KERNELS=... bash benchmarks/gpu_checks.sh recompiles  # our job alone on 60 rows with TORCH_LOGS=recompiles:
 #                                                # recompiles, graphs, compile and warm-up seconds
+#   bash benchmarks/gpu_checks.sh writer-formats # +job=bench without the baseline on the 200-row manifest, with
+#                                                # output.format=jpeg, then output.layout=webdataset: GPU busy
+#                                                # (gpu_busy.fraction) and image bytes per format, each way
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -196,6 +199,18 @@ recompiles() {
   tail_if_failed $recompiles_rc "$BENCH_OUT/recompiles.log"
 }
 
+writer_formats() {
+  for variant in output.format=jpeg output.layout=webdataset; do
+    local name=${variant#output.}; name=${name/=/-}
+    rm -rf /tmp/writer-$name
+    timeout -s KILL ${BENCH_LIMIT:-360} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/writer-$name $variant "${kernels[@]}" > "$BENCH_OUT/writer_$name.log" 2>&1; local code=$?
+    cp /tmp/writer-$name/stats.json "$BENCH_OUT/writer_${name}_stats.json" 2>/dev/null
+    echo "== writer: +job=bench bench.baseline=false, 200 rows, $variant ${KERNELS:-}"; rc $code
+    [ -f "$BENCH_OUT/writer_${name}_stats.json" ] && python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('gpu_busy.fraction', s.gpu_busy and s.gpu_busy.fraction, 'between_batches', s.gpu_busy and s.gpu_busy.between_batches, 'writer_busy_s', s.writer_busy_s, 'generate img/s', s.images_per_s, 'output', s.output)" "$BENCH_OUT/writer_${name}_stats.json"
+    tail_if_failed $code "$BENCH_OUT/writer_$name.log"
+  done
+}
+
 shards() {
   rm -rf /tmp/bench-shards
   timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
@@ -220,6 +235,7 @@ for what in "${@:-cuda-tests}"; do
     micro) micro ;;
     decode) decode ;;
     recompiles) recompiles ;;
+    writer-formats) writer_formats ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac

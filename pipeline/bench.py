@@ -9,7 +9,7 @@ embeddings), so its text encoding is excluded, as in our job with model.offload_
 It runs first, on the untouched model; then
 our job runs with its configured kernels on the same modules. Both are timed from their first
 prompt to their last image; ours also in steady state (the generate phase, after capture). The
-first batch of every resolution is compared pixel by pixel with our PNGs. `bench.json` in
+first batch of every resolution is compared pixel by pixel with our images. `bench.json` in
 output.dir holds it all; the table is printed last.
 
 `bench.baseline_only` runs the baseline alone and saves it (its timing, a fingerprint of the rows and
@@ -21,6 +21,7 @@ The two halves run in two processes, so run them on the same machine, one after 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import time
@@ -45,7 +46,8 @@ from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import negative_or_default
 from pipeline.report import PartReport
-from pipeline.writer import IMAGES_DIR, SHARDS_DIR
+from pipeline.committed import read_images
+from pipeline.layouts import SHARDS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
 
     # What the job would refuse, refused before the baseline spends its minutes.
     check_choices(cfg)
-    items, _, _ = read_valid_manifest(cfg)
+    manifest, _, _ = read_valid_manifest(cfg)
+    items = manifest.items()
     if not items:
         raise UserError(f"+job=bench: manifest {cfg.manifest.path} has no valid row to compare on")
     if cfg.shard.count > 1:
@@ -75,7 +78,7 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
     fingerprint = baseline_fingerprint(cfg, items)
     saved = load_baseline(Path(cfg.bench.baseline_from), fingerprint) if cfg.bench.baseline_from else None
     out_dir = Path(cfg.output.dir)
-    if any((out_dir / SHARDS_DIR).glob("*.parquet")) or (out_dir / SAVED).exists():
+    if (out_dir / SHARDS_DIR).is_dir() and any((out_dir / SHARDS_DIR).iterdir()) or (out_dir / SAVED).exists():
         raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches or a "
                         "ladder choice, which our job would reuse and the comparison would not count")
     device = resolve_device(cfg.runtime.device, 0)
@@ -241,13 +244,11 @@ def load_baseline(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndar
 
 
 def compare_images(out_dir: Path, reference: dict[str, np.ndarray]) -> dict:
-    """Our PNG vs diffusers' image for the same row: max and mean absolute difference (levels)."""
+    """Our image vs diffusers' for the same row: max and mean absolute difference (levels)."""
     diffs = []
-    for row_id, theirs in reference.items():
-        path = out_dir / IMAGES_DIR / f"{row_id}.png"
-        if path.exists():
-            ours = np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
-            diffs.append(np.abs(ours - theirs.astype(np.int16)))
+    for row_id, data in read_images(out_dir, set(reference)).items():
+        ours = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(np.int16)
+        diffs.append(np.abs(ours - reference[row_id].astype(np.int16)))
     if not diffs:
         return {"images": 0}
     return {"images": len(diffs), "max": int(max(d.max() for d in diffs)),

@@ -2,15 +2,16 @@
 
     python -m pipeline.compare OUT_A OUT_B [--json result.json]
 
-Per image id present in both: max absolute difference (levels of 255) and PSNR (dB, peak 255);
-prints the mean, the worst PSNR and the worst max difference. Files with equal bytes are not
-decoded (identical outputs are the common case), and the rest decode on threads (PNG decoding
-releases the GIL).
+Per image id present in both (any output.layout and format): max absolute difference (levels of
+255) and PSNR (dB, peak 255); prints the mean, the worst PSNR and the worst max difference. Images
+with equal bytes are not decoded (identical outputs are the common case), and the rest decode on
+threads (Pillow's decoders release the GIL). Both directories' images are read into memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -20,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from pipeline.committed import read_images
 from pipeline.errors import UserError
-from pipeline.writer import IMAGES_DIR
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -29,21 +30,21 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def compare_one(path_a: Path, path_b: Path) -> dict:
-    if path_a.read_bytes() == path_b.read_bytes():
-        return {"id": path_a.stem, "psnr_db": math.inf, "max_levels": 0}
-    a, b = (np.asarray(Image.open(p).convert("RGB")) for p in (path_a, path_b))
-    return {"id": path_a.stem, "psnr_db": psnr(a, b), "max_levels": int(np.abs(a.astype(int) - b.astype(int)).max())}
+def compare_one(row_id: str, data_a: bytes, data_b: bytes) -> dict:
+    if data_a == data_b:
+        return {"id": row_id, "psnr_db": math.inf, "max_levels": 0}
+    a, b = (np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in (data_a, data_b))
+    return {"id": row_id, "psnr_db": psnr(a, b), "max_levels": int(np.abs(a.astype(int) - b.astype(int)).max())}
 
 
 def compare(dir_a: Path, dir_b: Path, per_image: bool = False) -> dict:
     """The summary; with `per_image`, each image's row too (under "per_image")."""
-    images_a, images_b = dir_a / IMAGES_DIR, dir_b / IMAGES_DIR
-    names = sorted(p.name for p in images_a.glob("*.png") if (images_b / p.name).exists())
-    if not names:
-        raise UserError(f"no image id is in both {images_a} and {images_b}")
+    images_a, images_b = read_images(dir_a), read_images(dir_b)
+    ids = sorted(set(images_a) & set(images_b))
+    if not ids:
+        raise UserError(f"no image id is in both {dir_a} and {dir_b}")
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        rows = list(pool.map(lambda name: compare_one(images_a / name, images_b / name), names))
+        rows = list(pool.map(lambda i: compare_one(i, images_a[i], images_b[i]), ids))
     finite = [r["psnr_db"] for r in rows if math.isfinite(r["psnr_db"])]
     result = {"images": len(rows), "identical": len(rows) - len(finite),
               "mean_psnr_db": round(float(np.mean(finite)), 2) if finite else math.inf,

@@ -154,12 +154,19 @@ class OutputConfig:
     # null: a new directory per run (outputs/<date>/<time>) or per multirun job (under the sweep dir).
     # Hydra's own files (.hydra/, run.log) go to this directory in a single run.
     dir: Optional[str] = None
+    # png | jpeg | webp; `quality` is JPEG's and lossy WebP's (1-100), `lossless` WebP's.
     format: str = "png"
+    quality: int = 95
+    lossless: bool = False
     png_compress_level: int = 6
-    # Store the encoded image in each shard row as {bytes, path} (Hugging Face Image feature layout).
-    embed_images: bool = False
+    # files (images/<id>.<ext> + Parquet rows) | webdataset (tar shards) | parquet (images in the rows).
+    layout: str = "files"
+    # Images per shard file. Thousands keep a million-image job to a few hundred files (a resume
+    # reads each one's footer) while a shard of 1024 px JPEGs stays around a gigabyte; a shard is
+    # written once all its batches are committed, so a stopped job redoes none of it.
+    shard_size: int = 5000
     queue_size: int = 32
-    # Threads that PNG-encode a batch's images in parallel (zlib releases the GIL).
+    # Threads that encode a batch's images in parallel (Pillow's encoders release the GIL).
     encode_threads: int = 4
     # Committed batches that no longer match the job (manifest rows or settings changed):
     # error (refuse, naming the ids) or overwrite (regenerate them).
@@ -288,6 +295,8 @@ COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks", "norms")
 COMPILE_TUNINGS = ("fixed", "timed")
 CAPTURE = ("plan", "ladder")
+FORMATS = ("png", "jpeg", "webp")  # pipeline.encoding
+LAYOUTS = ("files", "webdataset", "parquet")  # pipeline.layouts
 
 
 def check_auto_sizes(sizes) -> None:
@@ -304,6 +313,19 @@ def check_auto_sizes(sizes) -> None:
         raise UserError(f"bcg.auto_sizes={list(sizes)}: at most {MAX_SIZES} sizes (every subset is a candidate ladder)")
 
 
+def check_output(output: OutputConfig) -> None:
+    """The image options (output.format's choice is checked with the others)."""
+    if not 1 <= output.quality <= 100:
+        raise UserError(f"output.quality={output.quality} must be 1 (smallest) to 100 (best)")
+    if output.lossless and output.format != "webp":
+        raise UserError(f"output.lossless=true is WebP's option; output.format={output.format} "
+                        f"{'is lossless already' if output.format == 'png' else 'has no lossless mode'}")
+    if not 0 <= output.png_compress_level <= 9:
+        raise UserError(f"output.png_compress_level={output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
+    if output.shard_size < 1:
+        raise UserError(f"output.shard_size={output.shard_size} must be >= 1 (images per shard file)")
+
+
 def check_choices(cfg: JobConfig) -> None:
     """Reject values outside the accepted sets, naming the key and the choices."""
     for key, value, accepted in (
@@ -317,7 +339,8 @@ def check_choices(cfg: JobConfig) -> None:
         ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
         ("kernels.compile_scope", cfg.kernels.compile_scope, COMPILE_SCOPES),
         ("kernels.compile_tuning", cfg.kernels.compile_tuning, COMPILE_TUNINGS),
-        ("output.format", cfg.output.format, ("png",)),
+        ("output.format", cfg.output.format, FORMATS),
+        ("output.layout", cfg.output.layout, LAYOUTS),
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):
         if value not in accepted:
@@ -326,8 +349,7 @@ def check_choices(cfg: JobConfig) -> None:
         raise UserError("output.dir is not set: name the directory the job writes to, e.g. output.dir=outputs/my-dataset")
     if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
         raise UserError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
-    if not 0 <= cfg.output.png_compress_level <= 9:
-        raise UserError(f"output.png_compress_level={cfg.output.png_compress_level} must be 0 (fastest) to 9 (smallest)")
+    check_output(cfg.output)
     if cfg.output.encode_threads < 1:
         raise UserError(f"output.encode_threads={cfg.output.encode_threads} must be >= 1")
     if cfg.output.queue_size < 1:

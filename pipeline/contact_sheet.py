@@ -1,20 +1,22 @@
 """A contact sheet: every image of an output directory in one PNG grid, its prompt under it.
 
 `output.contact_sheet=true` writes `<output.dir>/contact_sheet.png` at the end of a job (the demo
-does), from the committed shard rows and their PNGs. PIL only, default font.
+does), from the shard files' samples. PIL only, default font.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.completion import CONTACT_SHEET
+from pipeline.committed import read_committed
+from pipeline.encoding import encode_png
 from pipeline.fsutil import atomic_write_bytes
-from pipeline.writer import SHARDS_DIR, encode_png
+from pipeline.layouts import SHARDS_DIR, read_samples
 
 CELL = 96  # pixels per image cell, square; images are scaled by a whole factor (nearest) to fit
 CAPTION_LINES = 2
@@ -65,15 +67,17 @@ def fit(line: str, draw: ImageDraw.ImageDraw, font, width: int) -> str:
 
 
 def write_contact_sheet(out_dir: str | Path, columns: int = 6) -> Path:
-    """`<out_dir>/contact_sheet.png` from the committed shards' ok rows, sorted by id."""
+    """`<out_dir>/contact_sheet.png` from the shard files' samples (any output.layout), sorted by id."""
     out_dir = Path(out_dir)
-    rows = [r for shard in sorted((out_dir / SHARDS_DIR).glob("*.parquet"))
-            for r in pq.read_table(shard, columns=["id", "prompt", "path"]).to_pylist() if r["path"]]
-    if not rows:
+    committed = read_committed(out_dir)
+    layouts = {b.source: b.layout for b in committed.batches.values() if not b.staged}
+    samples = [(row["id"], row["prompt"], data) for meta in committed.shards()
+               for row, data in read_samples(out_dir, layouts[meta], meta)]
+    if not samples:
         raise ValueError(f"output.contact_sheet: no images under {out_dir / SHARDS_DIR}")
-    rows.sort(key=lambda r: r["id"])
-    images = [Image.open(out_dir / r["path"]) for r in rows]
-    sheet = contact_sheet(images, [r["prompt"] for r in rows], columns)
+    samples.sort(key=lambda s: s[0])
+    images = [Image.open(io.BytesIO(data)) for _, _, data in samples]
+    sheet = contact_sheet(images, [prompt for _, prompt, _ in samples], columns)
     path = out_dir / CONTACT_SHEET
     atomic_write_bytes(path, encode_png(np.asarray(sheet), compress_level=6))
     return path

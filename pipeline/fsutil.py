@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,20 +35,32 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_table(path: str | os.PathLike, table: pa.Table) -> None:
-    path = Path(path)
-    tmp = _tmp_path(path)
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make the rename itself durable: after a power loss the file is there whole, or not at all."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write `path` through: it appears under its name, whole and on disk, when the
+    block ends without an error; on an error the temporary file is removed."""
+    path = Path(path)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

@@ -26,7 +26,7 @@ from pipeline.prompts import PromptCache, negative_or_default
 from pipeline.report import GpuBusyReport
 from pipeline.stats import RunStats, StageTimer
 from pipeline.transfer import to_host
-from pipeline.writer import IMAGES_DIR, BatchResult
+from pipeline.writer import BatchResult
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,12 @@ class PendingBatch:
         b, n = self.batch, len(self.batch.items)
         if self.error is not None:
             self.stats.add_batch(b.height, b.width, b.bucket, n, 0, {})
-            return [shard_row(it, b, self.fields, self.error, {}, n) for it in b.items], [None] * n
+            return [shard_row(it, b, self.fields, self.error) for it in b.items], [None] * n
         if self.done is not None:
             self.done.synchronize()
         seconds = self.timer.seconds()
         finite, pixels = self.finite.numpy(), self.pixels.numpy()
-        rows = [shard_row(it, b, self.fields, None if ok else NON_FINITE, seconds, n) for it, ok in zip(b.items, finite)]
+        rows = [shard_row(it, b, self.fields, None if ok else NON_FINITE) for it, ok in zip(b.items, finite)]
         if not finite.all():
             bad = [it.id for it, ok in zip(b.items, finite) if not ok]
             log.warning("batch %s: non-finite images for %s; rows marked failed", b.key, bad)
@@ -153,7 +153,8 @@ def conditioning(prompts: PromptCache, positive: list[str], negative: list[str |
     return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
 
 
-def shard_row(item, batch: Batch, fields: dict, error: str | None, seconds: dict[str, float], n: int) -> dict:
+def shard_row(item, batch: Batch, fields: dict, error: str | None) -> dict:
+    """An output row as the batch makes it; the writer adds where its image went (path, bytes, sha256)."""
     ok = error is None
     return {
         **item.extra,
@@ -163,8 +164,6 @@ def shard_row(item, batch: Batch, fields: dict, error: str | None, seconds: dict
         **fields,
         "status": "ok" if ok else "failed",
         "error": error,
-        "path": f"{IMAGES_DIR}/{item.id}.png" if ok else None,
-        **{f"time_{k}_s": v / n for k, v in seconds.items()},
     }
 
 

@@ -30,21 +30,25 @@ from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compi
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
-from pipeline.manifest import BadRow, Item, ManifestError, errors_table, extra_schema, format_bad_rows, read_manifest
+from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
-from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
+from pipeline.planner import Batch, Plan, buckets_by_resolution
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
-from pipeline.report import GpuBusyReport, PartReport, PromptCacheCounts, ShardInfo
+from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
 from pipeline.startup import StartupClock
 from pipeline.stats import RunStats, library_versions
-from pipeline.resume import (Committed, ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
+from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
-from pipeline.sharding import ShardSpec, shard_batches
-from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Writer, reserved_columns, shard_schema
+from pipeline.committed import Committed
+from pipeline.encoding import encoding_of
+from pipeline.layouts import STAGING_DIR, embeds
+from pipeline.shard_files import group_batches
+from pipeline.sharding import ShardSpec, plan_shard
+from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Output, Writer, reserved_columns, row_schema
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    plan: Plan  # the whole job's (every shard computes the same)
+    plan: Plan  # the whole job's batches as shapes, without items (every shard computes the same)
     mine: list[Batch]  # this shard's batches of it
 
     @property
@@ -88,6 +92,7 @@ class Generated:
     generate_s: float  # first batch queued to the writer's last commit
     writer_busy_s: float
     gpu_busy: GpuBusyReport | None
+    output: OutputReport  # what the writer wrote
 
 
 @job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
@@ -102,15 +107,15 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     setup, stats = start(cfg)
 
     # 2. Read and validate the manifest against the model's limits (no weights needed for that).
-    items, bad, extras = read_valid_manifest(cfg)
+    manifest, bad, extras = read_valid_manifest(cfg)
 
     # 3. Resolve the ladder: bcg.ladder, or with bcg.ladder=auto the choice an earlier run of this job
     #    saved; a new auto choice waits for the model (step 10).
-    ladder = resolve_ladder(cfg.bcg, items, setup.shard, setup.device, setup.out_dir,
+    ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
                             settings_digest(cfg, setup.precision))
 
     # 4. Plan the whole job (every shard computes the same plan), then take this shard's slice.
-    planned = plan_ladder(ladder, items, cfg, setup.shard)
+    planned = plan_ladder(ladder, manifest, cfg, setup.shard)
 
     # 5. What every output row records about how it was made, from the configs (no weights needed).
     fields = job_fields(cfg, setup.precision)
@@ -119,7 +124,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.
-        todo = batches_left(setup.out_dir, planned, bad, fields, cfg.output.on_conflict, setup.shard)
+        todo = batches_left(setup.out_dir, planned, manifest, bad, fields, cfg.output, setup.shard)
 
         # 7. The bad rows' reasons; the temporary files of a process that died.
         prepare_output(setup.out_dir, bad)
@@ -130,12 +135,12 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
             return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet)
 
         # 9. The model and its kernels, and the denoiser that runs it in bcg.scope.
-        built = build(cfg, items, setup, adapter, fields, stats.startup)
+        built = build(cfg, manifest, setup, adapter, fields, stats.startup)
         stop.check()
 
         # 10. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
         #     choice is saved so that a resumed job plans the same), and the batches left of that plan.
-        ladder, planned, todo = calibrated_plan(ladder, planned, todo, cfg, items, bad, built, setup)
+        ladder, planned, todo = calibrated_plan(ladder, planned, todo, cfg, manifest, bad, built, setup)
         stats.startup.lap("calibrate")
         stop.check()
 
@@ -155,7 +160,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
         # 14. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
         #     for its results. A stop signal takes effect once the queued batches are committed.
-        generated = generate(built, prompts, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
+        generated = generate(built, prompts, planned, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
 
         # 15. This part's report, under parts/.
         report = part_report(cfg, setup, stats, planned, todo, len(bad), built, ladder, prompts, generated,
@@ -185,12 +190,13 @@ def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
     check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
 
 
-def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Schema]:
-    """-> (valid items, bad rows, extra columns); refuses the manifest (ManifestError) when its
-    columns clash with ours, or when it has bad rows and manifest.on_invalid=error."""
+def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Schema]:
+    """-> (the valid rows, bad rows, extra columns); refuses the manifest (ManifestError) when its
+    columns clash with ours, or when it has bad rows and manifest.on_invalid=error. Every row is
+    checked (the plan depends on which are valid), columnwise; no item is made yet."""
     granularity, max_side = model_limits(cfg.model)
-    items, bad = read_manifest(cfg.manifest.path, granularity, max_side)
-    items, bad = check_items(cfg.model, items, bad, cfg.sampler.true_cfg_scale)  # the family's own row checks
+    manifest, bad = scan_manifest(cfg.manifest.path, granularity, max_side)
+    manifest, bad = check_items(cfg.model, manifest, bad, cfg.sampler.true_cfg_scale)  # the family's own row checks
     extras = extra_schema(cfg.manifest.path)
     clashing = reserved_columns(extras)
     if clashing:
@@ -203,32 +209,33 @@ def read_valid_manifest(cfg: JobConfig) -> tuple[list[Item], list[BadRow], pa.Sc
             format_bad_rows(bad, source=str(cfg.manifest.path))
             + "\nNothing was generated. Fix these rows, or pass manifest.on_invalid=skip to generate the rest."
         )
-    return items, bad, extras
+    return manifest, bad, extras
 
 
 def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, todo: list[Batch] | None, cfg: JobConfig,
-                    items: list[Item], bad: list[BadRow], built: Built,
+                    manifest: Manifest, bad: list[BadRow], built: Built,
                     setup: Setup) -> tuple[LadderDecision, ShardPlan, list[Batch]]:
     """A decided ladder, its plan and the batches left as they are; a pending one calibrated,
     planned and saved, and the batches left of that plan."""
     if not decision.pending:
         return decision, planned, todo
-    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, items, built.denoiser,
-                                setup.device)
-    planned = plan_ladder(decision, items, cfg, setup.shard)
+    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, manifest.counts(),
+                                built.denoiser, setup.device)
+    planned = plan_ladder(decision, manifest, cfg, setup.shard)
     save_choice(setup.out_dir, decision.costs, decision.fingerprint, decision.auto_report)
-    return decision, planned, batches_left(setup.out_dir, planned, bad, built.fields, cfg.output.on_conflict, setup.shard)
+    return decision, planned, batches_left(setup.out_dir, planned, manifest, bad, built.fields, cfg.output, setup.shard)
 
 
-def plan_ladder(decision: LadderDecision, items: list[Item], cfg: JobConfig, shard: ShardSpec) -> ShardPlan | None:
+def plan_ladder(decision: LadderDecision, manifest: Manifest, cfg: JobConfig, shard: ShardSpec) -> ShardPlan | None:
     """The plan on a decided ladder (None while it is pending: step 7 plans then), with the costs
     auto measured or else the linear model, and this shard's batches of it (split by `row_cost`,
-    with attention's share from the model's config)."""
+    with attention's share from the model's config): the whole plan's batches from the row counts,
+    items for this shard's batches only."""
     if decision.pending:
         return None
     overhead = cfg.bcg.batch_overhead_rows
-    plan = make_plan(items, decision.ladder, overhead, decision.costs)
-    mine = shard_batches(plan, shard, overhead, attention_pixels(cfg.model) if shard.count > 1 else None)
+    plan, mine = plan_shard(manifest, decision.ladder, overhead, decision.costs, shard,
+                            attention_pixels(cfg.model) if shard.count > 1 else None)
     log.info(
         "plan: %d images in %d batches over %d resolutions, ladder %s, %d padded rows%s",
         plan.items, len(plan.batches), len(plan.resolutions()), list(plan.ladder), plan.padded_rows,
@@ -245,12 +252,12 @@ def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
         log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
     else:
         (out_dir / ERRORS).unlink(missing_ok=True)
-    removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR))
+    removed = remove_stale_tmp(out_dir, (IMAGES_DIR, SHARDS_DIR, STAGING_DIR))
     if removed:
         log.info("removed %d temporary files left by a process that died", removed)
 
 
-def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | None, fields: dict[str, Any],
+def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | None, fields: dict[str, Any],
           clock: StartupClock) -> Built:
     """The device made current (CUDA is set up here, not before: a finished job never gets this far),
     the compile workers (they come up while the model loads), the model (unless the caller built
@@ -262,10 +269,10 @@ def build(cfg: JobConfig, items: list[Item], setup: Setup, adapter: Adapter | No
     adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype]),
                             cfg.sampler.true_cfg_scale)
     clock.lap("build")
-    resolutions = sorted({(it.height, it.width) for it in items})
+    resolutions = manifest.resolutions()
     compiled_before = compile_stats()
     kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
-                            texts=manifest_texts(items))
+                            texts=manifest_texts(manifest))
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
     clock.lap("kernels")
@@ -288,7 +295,7 @@ def job_fields(cfg: JobConfig, precision: dict) -> dict[str, Any]:
     model, scheduler_class = model_labels(cfg.model)
     return {"steps": cfg.sampler.steps, "guidance_scale": cfg.sampler.guidance_scale, "model": model,
             "sampler": sampler_label(cfg.bcg.scope, cfg.sampler.name, scheduler_class),
-            "settings": settings_digest(cfg, precision)}
+            "settings": settings_digest(cfg, precision), **encoding_of(cfg.output).fields()}
 
 
 def settings_digest(cfg: JobConfig, precision: dict) -> str:
@@ -304,8 +311,8 @@ def settings_digest(cfg: JobConfig, precision: dict) -> str:
     return hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def batches_left(out_dir: Path, planned: ShardPlan | None, bad: list[BadRow], fields: dict[str, Any], on_conflict: str,
-                 shard: ShardSpec) -> list[Batch] | None:
+def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, bad: list[BadRow], fields: dict[str, Any],
+                 output: OutputConfig, shard: ShardSpec) -> list[Batch] | None:
     """This shard's batches minus those committed earlier (None while the plan waits for a new auto
     ladder). Committed images of ids that this job's manifest does not hold (neither planned nor a
     bad row) are another job's: refused, overwrite or not. Other committed batches that no longer
@@ -314,16 +321,17 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, bad: list[BadRow], fi
     if planned is None:
         return None
     committed = read_committed(out_dir)
-    foreign = foreign_ids(committed, {it.id for b in planned.plan.batches for it in b.items} | {r.id for r in bad})
+    committed = read_committed(out_dir)
+    foreign = foreign_ids(committed, set(manifest.ids()) | {r.id for r in bad})
     if foreign:
-        raise ResumeConflict(foreign_message(foreign, out_dir))
-    conflicts = find_conflicts(planned.plan.batches, committed, fields)
-    if conflicts and on_conflict == "error":
+        raise ResumeConflict(foreign_message(foreign, committed, out_dir))
+    conflicts = find_conflicts(planned.plan.batches, planned.mine, committed, fields, output.layout)
+    if conflicts and output.on_conflict == "error":
         raise ResumeConflict(conflict_message(conflicts, out_dir))
     if conflicts:
         overwrite(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0),
                   {r.id for r in bad})
-    done = set(committed.rows) - set(conflicts)
+    done = set(committed.batches) - set(conflicts)
     todo = [b for b in planned.mine if b.key not in done]
     if todo:
         if len(todo) < len(planned.mine):
@@ -340,11 +348,11 @@ def overwrite(out_dir: Path, committed: Committed, keys: list[str], bad_ids: set
     (`keys`), saying how many of their ids are planned again and how many are bad rows now."""
     if not keys:
         return
-    ids = [row["id"] for key in keys for row in committed.rows[key]]
+    ids = [i for key in keys for i in committed.batches[key].entry.ids]
     dropped = sum(i in bad_ids for i in ids)
     log.warning("output.on_conflict=overwrite: deleting %d committed batch(es) that do not match this job (%d images: "
                 "%d ids planned again, %d bad rows now)", len(keys), len(ids), len(ids) - dropped, dropped)
-    remove_batches(out_dir, committed, keys)
+    remove_batches(committed, keys)
 
 
 def reopen(out_dir: Path, shard: ShardSpec) -> None:
@@ -378,11 +386,13 @@ def capture(denoiser: Denoiser, todo: list[Batch], mode: str) -> None:
     denoiser.capture_all(sorted(shapes), shapes if mode == "plan" else None)
 
 
-def generate(built: Built, prompts: PromptCache, todo: list[Batch], extras: pa.Schema, output: OutputConfig,
-             runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
-    """Every batch of `todo` queued on the device and committed by the writer thread."""
-    writer = Writer(out_dir, shard_schema(extras, output.embed_images), output.queue_size, output.png_compress_level,
-                    output.embed_images, output.encode_threads)
+def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[Batch], extras: pa.Schema,
+             output: OutputConfig, runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
+    """Every batch of `todo` queued on the device and committed by the writer thread, which writes
+    this shard's shard files as their batches complete."""
+    writer = Writer(out_dir, Output(output.layout, encoding_of(output), row_schema(extras, embeds(output.layout))),
+                    group_batches(planned.plan.batches, planned.mine, output.shard_size), output.queue_size,
+                    output.encode_threads)
     busy = GpuBusy(built.adapter.device)
     inflight = Inflight(runtime.inflight_batches)
     stats.generate_started = time.perf_counter()
@@ -402,7 +412,9 @@ def generate(built: Built, prompts: PromptCache, todo: list[Batch], extras: pa.S
         writer.close()
         built.denoiser.engine.close()
     generate_s = time.perf_counter() - stats.generate_started
-    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s))
+    written = OutputReport(layout=output.layout, shard_files=writer.assembler.shard_files,
+                           bytes_per_format=dict(sorted(writer.bytes_per_format.items())))
+    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s), written)
 
 
 def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, todo: list[Batch], invalid: int,
@@ -422,6 +434,7 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         bcg=engine.metrics.report(),
         prompt_cache=PromptCacheCounts(encoded=prompts.encoded, hits=prompts.hits),
         writer_busy_s=generated.writer_busy_s,
+        output=generated.output,
         gpu_busy=generated.gpu_busy,
         kernels={**built.kernels, "first_pass_s": round(engine.metrics.first_pass_s, 4),
                  **(compile_stats(since=built.compiled_before) if k.compile or k.compile_decoder else {})},

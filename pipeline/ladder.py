@@ -5,7 +5,6 @@ second phase of the same decision, `calibrate_ladder`)."""
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from pipeline.config import BCGConfig
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.kernels import with_attention
-from pipeline.manifest import Item
 from pipeline.sharding import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -43,16 +41,17 @@ class LadderDecision:
         return self.ladder is None
 
 
-def resolve_ladder(bcg: BCGConfig, items: list[Item], shard: ShardSpec, device: torch.device, out_dir: Path,
-                   settings: str) -> LadderDecision:
+def resolve_ladder(bcg: BCGConfig, counts: dict[tuple[int, int], int], shard: ShardSpec, device: torch.device,
+                   out_dir: Path, settings: str) -> LadderDecision:
     """bcg.ladder as given; with bcg.ladder=auto, the choice an earlier run of this job saved for
-    these rows and `settings` (the digest of what an image depends on), or a decision pending
-    calibration (refused with shard.count > 1: every shard must plan alike)."""
+    these rows (`counts`: valid rows per (height, width)) and `settings` (the digest of what an
+    image depends on), or a decision pending calibration (refused with shard.count > 1: every
+    shard must plan alike)."""
     if bcg.ladder != AUTO:
         return LadderDecision("config", list(bcg.ladder))
-    if not items:
+    if not counts:
         return LadderDecision("config", list(bcg.auto_sizes))  # nothing to calibrate for, nothing to plan
-    made_for = fingerprint(row_counts(items), bcg.auto_sizes, bcg.pool_limit_gib, bcg.pool_margin,
+    made_for = fingerprint(counts, bcg.auto_sizes, bcg.pool_limit_gib, bcg.pool_margin,
                            graphs_on(bcg, device), settings)
     saved = load_choice(out_dir, made_for)
     if saved is not None:
@@ -67,21 +66,17 @@ def resolve_ladder(bcg: BCGConfig, items: list[Item], shard: ShardSpec, device: 
     return LadderDecision("calibrate", None, fingerprint=made_for)
 
 
-def calibrate_ladder(decision: LadderDecision, bcg: BCGConfig, attention: str, steps: int, items: list[Item],
-                     denoiser: Denoiser, device: torch.device) -> LadderDecision:
+def calibrate_ladder(decision: LadderDecision, bcg: BCGConfig, attention: str, steps: int,
+                     counts: dict[tuple[int, int], int], denoiser: Denoiser, device: torch.device) -> LadderDecision:
     """A pending decision's second phase: one step of the denoiser's scope (with `attention`, the
     kernels.attention backend) calibrated at every (resolution, size of bcg.auto_sizes), and the
     ladder with the least predicted job time."""
     step_fn, step_specs = denoiser.one_step()
     choice, costs, report = auto_ladder(
-        with_attention(step_fn, attention, device.type), step_specs, row_counts(items), list(bcg.auto_sizes), steps,
+        with_attention(step_fn, attention, device.type), step_specs, counts, list(bcg.auto_sizes), steps,
         device, bcg.warmup, graphs_on(bcg, device), bcg.pool_limit_gib, bcg.pool_margin,
     )
     return replace(decision, source="calibrated", ladder=list(choice.ladder), costs=costs, auto_report=report)
-
-
-def row_counts(items: list[Item]) -> dict[tuple[int, int], int]:
-    return dict(Counter((it.height, it.width) for it in items))
 
 
 def graphs_on(bcg: BCGConfig, device: torch.device) -> bool:

@@ -3,7 +3,11 @@
 A night's job must not die on row 700,000, so every row is checked before anything is generated
 and every problem is reported at once: whole-file problems raise `ManifestError`, row problems come
 back as `BadRow`s that the caller formats (`format_bad_rows`) or writes out (`errors_table`).
-Values are read column-wise (`to_pylist`) so a million rows take seconds, not minutes.
+
+Rows are checked column by column in Arrow (`scan_manifest`): vectorised tests find every row that
+may be bad, and only those rows go through the per-cell checks below, which give the reasons. The
+valid rows stay columns (`Manifest`); `Item`s are made only for the rows asked for, so each
+process of a sharded job makes its own rows' items, not the manifest's millions.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterator, NamedTuple
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.errors import UserError
@@ -23,6 +30,7 @@ from pipeline.errors import UserError
 MAX_ID_LENGTH = 128
 MAX_SEED = 2**63 - 1  # what an int64 metadata column (and torch's signed seed) holds
 _SHOWN_CHARS = 60  # a 10,000-character bad id is shown cut, not in full
+ITEMS_CHUNK = 1 << 16  # rows whose Python values exist at once while items are made
 
 # Unicode category Cc is exactly these two ranges (C0, DEL and C1); a regex scans a million ids
 # far faster than unicodedata.category per character.
@@ -107,44 +115,97 @@ def read_manifest(
     `granularity` and `max_side` come from the model: every side must be a positive multiple of
     `granularity` and at most `max_side`. Raises ManifestError for problems with the whole file.
     """
+    manifest, bad = scan_manifest(path, granularity, max_side)
+    return manifest.items(), bad
+
+
+def scan_manifest(path: str | os.PathLike, granularity: int, max_side: int) -> tuple["Manifest", list[BadRow]]:
+    """`read_manifest`'s checks, with the valid rows kept as columns (a `Manifest`)."""
     if granularity < 1 or max_side < 1:
         raise ValueError(f"granularity ({granularity}) and max_side ({max_side}) must be positive")
     table = _load_table(path)
     _check_schema(table.schema, table.num_rows, path)
-    problems: dict[int, list[str]] = {}
+    columns = {name: _plain(table.column(name)) for name in REQUIRED_COLUMNS}
+    widths, wide = _numbers(columns["width"])
+    heights, high = _numbers(columns["height"])
+    first = _first_rows(columns["id"])
+    suspect = (_suspect_ids(columns["id"]) | (first != np.arange(len(first))) & (first >= 0)
+               | _suspect_prompts(columns["prompt"]) | _suspect_sides(widths, wide, granularity, max_side)
+               | _suspect_sides(heights, high, granularity, max_side) | _suspect_seeds(columns["seed"]))
+    problems = _row_problems(columns, np.flatnonzero(suspect), first, granularity, max_side)
+    valid = np.ones(table.num_rows, dtype=bool)
+    valid[list(problems)] = False
+    rows = np.flatnonzero(valid)
+    manifest = Manifest(table, rows, heights[rows].astype(np.int64), widths[rows].astype(np.int64))
+    ids = columns["id"]
+    bad = [BadRow(row=row, id=_id_or_none(ids[row].as_py()), reasons=tuple(reasons))
+           for row, reasons in sorted(problems.items())]
+    return manifest, bad
 
-    # 1. Check each column; each check records reasons by row and returns the clean values.
-    ids = _check_column(table.column("id").to_pylist(), _id_reasons, problems)
-    _check_duplicate_ids(ids, problems)
-    prompts = _check_column(table.column("prompt").to_pylist(), _prompt_reasons, problems)
-    widths = _check_column(
-        table.column("width").to_pylist(), _side_checker("width", granularity, max_side), problems
-    )
-    heights = _check_column(
-        table.column("height").to_pylist(), _side_checker("height", granularity, max_side), problems
-    )
-    seeds = _check_column(table.column("seed").to_pylist(), _seed_reasons, problems)
 
-    # 2. Everything else rides along untouched.
-    negatives = (
-        table.column("negative_prompt").to_pylist()
-        if "negative_prompt" in table.column_names
-        else [None] * table.num_rows
-    )
-    extras = _extra_rows(table)
+@dataclass(frozen=True, eq=False)
+class Manifest:
+    """A manifest's valid rows as columns, in file order; `items` makes `Item`s for the rows asked for."""
 
-    # 3. Split rows into items and bad rows.
-    columns = zip(ids, prompts, negatives, widths, heights, seeds, extras)
-    items = [
-        Item(id_, prompt, negative, width, height, seed, row, extra)
-        for row, (id_, prompt, negative, width, height, seed, extra) in enumerate(columns)
-        if row not in problems
-    ]
-    bad = [
-        BadRow(row=row, id=ids[row], reasons=tuple(reasons))
-        for row, reasons in sorted(problems.items())
-    ]
-    return items, bad
+    table: pa.Table  # every row of the file
+    rows: np.ndarray  # [n] int64: the valid rows' numbers, ascending
+    heights: np.ndarray  # [n] int64, the valid rows'
+    widths: np.ndarray  # [n] int64
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @cached_property
+    def _groups(self) -> dict[tuple[int, int], np.ndarray]:
+        """(height, width) -> positions (into `rows`) of its rows, in file order; ascending keys."""
+        code = self.heights * (int(self.widths.max(initial=0)) + 1) + self.widths
+        order = np.argsort(code, kind="stable")
+        starts = np.flatnonzero(np.diff(code[order], prepend=-1))
+        ends = [*starts[1:], len(order)]
+        return {(int(self.heights[order[a]]), int(self.widths[order[a]])): order[a:b] for a, b in zip(starts, ends)}
+
+    def ids(self) -> list[str]:
+        """The valid rows' ids, in file order."""
+        return self.table.column("id").take(pa.array(self.rows)).to_pylist()
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        """Valid rows per (height, width)."""
+        return {res: len(positions) for res, positions in self._groups.items()}
+
+    def resolutions(self) -> list[tuple[int, int]]:
+        return list(self._groups)
+
+    def items_for(self, shapes) -> list[Item]:
+        """The items of planned batches (`pipeline.planner.BatchShape`: rows `start : start + size`
+        of its resolution's, in file order), batch after batch."""
+        parts = [self._groups[(s.height, s.width)][s.start:s.start + s.size] for s in shapes]
+        return self.items(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+
+    def items(self, positions: np.ndarray | None = None) -> list[Item]:
+        """Items of the valid rows at `positions` (every valid row: None), in that order."""
+        rows = self.rows if positions is None else self.rows[positions]
+        items: list[Item] = []
+        for start in range(0, len(rows), ITEMS_CHUNK):  # the Python values of one chunk at a time
+            chunk = rows[start:start + ITEMS_CHUNK]
+            part = self.table.take(pa.array(chunk, pa.int64()))
+            negatives = (part.column("negative_prompt").to_pylist() if "negative_prompt" in part.column_names
+                         else [None] * len(chunk))
+            columns = zip(part.column("id").to_pylist(), part.column("prompt").to_pylist(), negatives,
+                          _whole(part.column("width")), _whole(part.column("height")), _whole(part.column("seed")),
+                          chunk.tolist(), _extra_rows(part))
+            items += [Item(*values) for values in columns]
+        return items
+
+    def unique(self, column: str) -> list[Any]:
+        """The distinct values of a column over the valid rows ([None] for an absent optional column)."""
+        if column not in self.table.column_names:
+            return [None]
+        return pc.unique(_plain(self.table.column(column)).take(pa.array(self.rows, pa.int64()))).to_pylist()
+
+    def without(self, rows: set[int]) -> "Manifest":
+        """These rows (file row numbers) taken out, e.g. the rows a model family refuses."""
+        keep = ~np.isin(self.rows, np.fromiter(rows, np.int64, len(rows)))
+        return Manifest(self.table, self.rows[keep], self.heights[keep], self.widths[keep])
 
 
 def format_bad_rows(bad: list[BadRow], limit: int = 50, source: str = "manifest") -> str:
@@ -274,20 +335,108 @@ def _extra_rows(table: pa.Table) -> list[dict[str, Any]]:
     return [dict(zip(names, cells)) for cells in zip(*columns)]
 
 
-# ---- row checks: a cell check returns (clean value or None, reasons) ------------------------
+# ---- vectorised: which rows may be bad (a superset; the cell checks decide) --------------------
+
+# A path separator, a control character (category Cc), "..", or the whole id ".".
+_BAD_IN_ID = r"[/\\\x{00}-\x{1f}\x{7f}-\x{9f}]|\.\.|^\.$"
 
 
-def _check_column(
-    values: list[Any], check: Callable[[Any], tuple[Any, list[str]]], problems: dict[int, list[str]]
-) -> list[Any]:
-    """Run `check` on every cell, file each reason under its row, and return the clean values."""
-    clean = []
-    for row, value in enumerate(values):
-        good, reasons = check(value)
+# What str.strip() strips (str.isspace, tests/test_manifest.py checks the set): a prompt of only
+# these is bad.
+_SPACE = r"\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}"
+_ONLY_SPACE = f"^[{_SPACE}]*$"
+
+
+def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Dictionary-encoded text decoded."""
+    return column.cast(column.type.value_type) if pa.types.is_dictionary(column.type) else column
+
+
+def _mask(array) -> np.ndarray:
+    return pc.fill_null(array, True).to_numpy(zero_copy_only=False)
+
+
+def _numbers(array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values with nulls as 0, whether each is null or not a whole number)."""
+    values = pc.fill_null(array, 0).to_numpy(zero_copy_only=False)
+    bad = array.is_null().to_numpy(zero_copy_only=False)
+    if pa.types.is_floating(array.type):
+        with np.errstate(invalid="ignore"):
+            bad = bad | ~np.isfinite(values) | (values != np.floor(values))
+        values = np.where(bad, 0, values)
+    return values, bad
+
+
+def _suspect_ids(ids: pa.ChunkedArray) -> np.ndarray:
+    length = pc.utf8_length(ids)
+    return (_mask(pc.equal(length, 0)) | _mask(pc.greater(length, MAX_ID_LENGTH))
+            | _mask(pc.match_substring_regex(ids, _BAD_IN_ID)))
+
+
+def _first_rows(ids: pa.ChunkedArray) -> np.ndarray:
+    """Per row, the first row with its id (-1 for a missing or empty id): repeats are bad rows."""
+    # Dictionary codes count distinct values in order of first appearance, so a row is the first
+    # with its id exactly when its code exceeds every code before it.
+    codes = pc.fill_null(ids.combine_chunks().dictionary_encode().indices, -1)  # one dictionary for every chunk
+    codes = codes.to_numpy(zero_copy_only=False).astype(np.int64)
+    before = np.maximum.accumulate(np.concatenate([[-1], codes[:-1]]))
+    first_of_code = np.flatnonzero(codes > before)  # [distinct ids]: the row where each first appears
+    if not len(first_of_code):
+        return np.full(len(codes), -1, dtype=np.int64)
+    named = (codes >= 0) & ~_mask(pc.equal(pc.utf8_length(ids), 0))
+    return np.where(named, first_of_code[np.maximum(codes, 0)], -1)
+
+
+def _suspect_prompts(prompts: pa.ChunkedArray) -> np.ndarray:
+    return _mask(pc.match_substring_regex(prompts, _ONLY_SPACE))
+
+
+def _suspect_sides(values: np.ndarray, bad: np.ndarray, granularity: int, max_side: int) -> np.ndarray:
+    return bad | (values <= 0) | (values % granularity != 0) | (values > max_side)
+
+
+def _suspect_seeds(array: pa.ChunkedArray) -> np.ndarray:
+    values, bad = _numbers(array)
+    if values.dtype.kind == "f":  # a float at or above 2**63 is above MAX_SEED (no float lies between)
+        too_big = values >= 2.0**63
+    elif values.dtype == np.uint64:
+        too_big = values > np.uint64(MAX_SEED)
+    else:  # a narrower or a signed integer holds nothing above MAX_SEED
+        too_big = np.zeros(len(values), dtype=bool)
+    return bad | (values < 0) | too_big
+
+
+def _row_problems(columns: dict[str, pa.ChunkedArray], rows: np.ndarray, first: np.ndarray, granularity: int,
+                  max_side: int) -> dict[int, list[str]]:
+    """The cell checks' reasons for these rows (the suspects), in the order the checks run."""
+    take = pa.array(rows, pa.int64())
+    values = {name: array.take(take).to_pylist() for name, array in columns.items()}
+    checks = [("id", _id_reasons), ("prompt", _prompt_reasons), ("width", _side_checker("width", granularity, max_side)),
+              ("height", _side_checker("height", granularity, max_side)), ("seed", _seed_reasons)]
+    problems: dict[int, list[str]] = {}
+    for k, row in enumerate(rows.tolist()):
+        reasons = []
+        for name, check in checks:
+            reasons += check(values[name][k])[1]
+            if name == "id" and first[row] not in (-1, row):
+                reasons.append(f"duplicate id {_show(values['id'][k])} (first at row {first[row]})")
         if reasons:
-            problems.setdefault(row, []).extend(reasons)
-        clean.append(good)
-    return clean
+            problems[row] = reasons
+    return problems
+
+
+def _whole(column: pa.ChunkedArray) -> list[int]:
+    """A valid row's width, height or seed: an int (a float column holds whole numbers there)."""
+    values = column.to_pylist()
+    return [int(v) for v in values] if pa.types.is_floating(column.type) else values
+
+
+def _id_or_none(value: Any) -> str | None:
+    """A bad row's id as the report names it: None where it is missing, empty or not a string."""
+    return value if isinstance(value, str) and value else None
+
+
+# ---- row checks: a cell check returns (clean value or None, reasons) ------------------------
 
 
 def _id_reasons(value: Any) -> tuple[str | None, list[str]]:
@@ -319,18 +468,6 @@ def _id_reasons(value: Any) -> tuple[str | None, list[str]]:
     if control:
         reasons.append(f"id {_show(value)} contains the control character {control.group()!r}")
     return value, reasons
-
-
-def _check_duplicate_ids(ids: list[str | None], problems: dict[int, list[str]]) -> None:
-    """Mark every repeat of an id after its first row; the first occurrence stays usable."""
-    first_row: dict[str, int] = {}
-    for row, value in enumerate(ids):
-        if value is None:
-            continue
-        first = first_row.setdefault(value, row)
-        if first != row:
-            reason = f"duplicate id {_show(value)} (first at row {first})"
-            problems.setdefault(row, []).append(reason)
 
 
 def _prompt_reasons(value: Any) -> tuple[str | None, list[str]]:

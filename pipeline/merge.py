@@ -1,5 +1,6 @@
 """Finish a job made of shards: once every shard's part is complete, write the run-level
-`stats.json` and then `_SUCCESS`.
+`stats.json` (with `failed.parquet`, the failed rows, and `README.md`, the dataset card that tells
+`datasets.load_dataset` which files are the data) and then `_SUCCESS`.
 
 Each process writes `parts/shard-<i>-of-<n>.json` (its own stats) when its batches are committed;
 the last one to finish merges. By hand, or after a Slurm array:
@@ -17,18 +18,20 @@ from collections import Counter
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-import pyarrow.parquet as pq
+import pyarrow as pa
 
 from bcg.metrics import EngineTotals
 from pipeline.completion import STATS, SUCCESS, success_record
+from pipeline.card import write_card
+from pipeline.committed import Committed, read_committed
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
-from pipeline.fsutil import atomic_write_text
-from pipeline.report import ImageCounts, PartReport, Report, RunReport, ShardEntry
+from pipeline.fsutil import atomic_write_table, atomic_write_text
+from pipeline.report import ImageCounts, OutputReport, PartReport, Report, RunReport, ShardEntry
 from pipeline.stats import per_second
-from pipeline.writer import SHARDS_DIR
 
 PARTS_DIR = "parts"
+FAILED = "failed.parquet"
 
 
 class IncompleteError(RuntimeError):
@@ -46,12 +49,35 @@ def read_parts(out_dir: Path, count: int | None = None) -> list[PartReport]:
     return [p for p in parts if count is None or p.shard.count == count]
 
 
-def committed_status(out_dir: Path) -> Counter:
-    """ok / failed rows over every committed shard file: what the dataset holds, whichever run made it."""
-    shards = Path(out_dir) / SHARDS_DIR
-    if not shards.is_dir() or not any(shards.glob("*.parquet")):
-        return Counter()
-    return Counter(pq.read_table(shards, columns=["status"]).column("status").to_pylist())
+def committed_status(committed: Committed) -> Counter:
+    """ok / failed rows over every shard file: what the dataset holds, whichever run made it."""
+    status: Counter = Counter()
+    for batch in committed.batches.values():
+        if not batch.staged:
+            status.update(ok=batch.entry.ok, failed=len(batch.entry.failed))
+    return status
+
+
+def committed_output(committed: Committed) -> OutputReport | None:
+    """The shard files' layout, count and image bytes per format (None: no shard file yet)."""
+    filed = [b for b in committed.batches.values() if not b.staged]
+    if not filed:
+        return None
+    per_format: Counter = Counter()
+    for batch in filed:
+        per_format[batch.entry.format] += batch.entry.bytes
+    return OutputReport(layout=filed[0].layout, shard_files=len(committed.shards()), bytes_per_format=dict(sorted(per_format.items())))
+
+
+def write_failed(out_dir: Path, committed: Committed) -> None:
+    """`failed.parquet`: every failed row of the shard files (they are in no data file), with its
+    reason; removed when there is none."""
+    rows = [r for b in committed.batches.values() if not b.staged for r in b.entry.failed]
+    path = Path(out_dir) / FAILED
+    if rows:
+        atomic_write_table(path, pa.Table.from_pylist(sorted(rows, key=lambda r: r["id"])))
+    else:
+        path.unlink(missing_ok=True)
 
 
 def missing_shards(parts: list[PartReport]) -> list[int] | None:
@@ -67,7 +93,7 @@ def missing_shards(parts: list[PartReport]) -> list[int] | None:
     return sorted(set(range(count)) - {p.shard.index for p in parts})
 
 
-def merge_stats(parts: list[PartReport], status: Counter) -> RunReport:
+def merge_stats(parts: list[PartReport], status: Counter, output: OutputReport | None = None) -> RunReport:
     """Run-level stats. `images.ok` / `failed` count the committed rows on disk (the dataset, over
     every run that added to it); `generated` what the last run of each shard made. With several
     shards the times are spans over all of them: `wall_s` from the first shard's start to the last
@@ -80,6 +106,7 @@ def merge_stats(parts: list[PartReport], status: Counter) -> RunReport:
     images = ImageCounts(**{f.name: sum(getattr(p.images, f.name) for p in parts) for f in fields(ImageCounts)})
     merged.update(
         images=replace(images, ok=status["ok"], failed=status["failed"]),
+        output=output,
         batches=sum(p.batches for p in parts),
         padded_rows=sum(p.padded_rows for p in parts),
         oom_retries=sum(p.oom_retries for p in parts),
@@ -116,7 +143,11 @@ def merge(out_dir: Path, count: int | None = None) -> RunReport:
     if missing:
         count = parts[0].shard.count
         raise IncompleteError(f"{out_dir}: {len(missing)} of {count} shards not complete yet: {missing}")
-    merged = merge_stats(parts, committed_status(out_dir))
+    committed = read_committed(out_dir)
+    merged = merge_stats(parts, committed_status(committed), committed_output(committed))
+    write_failed(out_dir, committed)
+    if merged.output is not None:
+        write_card(out_dir, merged.output.layout, merged.images.ok)
     merged.write(Path(out_dir) / STATS)
     atomic_write_text(Path(out_dir) / SUCCESS, success_record(parts[0].config))
     return merged

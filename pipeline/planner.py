@@ -9,6 +9,8 @@ included):
    (`costs[(h, w)]` where given, else `linear_costs(ladder, batch_overhead_rows)`).
 4. A batch's key is `f"{height}x{width}-{ordinal:06d}-b{bucket}"`, ordinal counting the batches of
    its resolution from 0.
+The batches follow from the row count per resolution alone (`plan_shapes`); `fill` gives them
+their items, so a process of a sharded job makes items for its own batches only.
 """
 
 from __future__ import annotations
@@ -38,16 +40,37 @@ class Batch:
     def padded_rows(self) -> int:
         return self.bucket - len(self.items)
 
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A planned batch without its items: rows `start : start + size` of its resolution's rows in
+    manifest order (`fill` gives it its items)."""
+
+    key: str
+    height: int
+    width: int
+    bucket: int
+    start: int
+    size: int
+
+    @property
+    def padded_rows(self) -> int:
+        return self.bucket - self.size
+
 
 @dataclass(frozen=True)
 class Plan:
-    batches: tuple[Batch, ...]
+    batches: tuple[Batch, ...] | tuple[BatchShape, ...]
     ladder: tuple[int, ...]
 
     @property
     def items(self) -> int:
         """Real rows over all batches."""
-        return sum(len(b.items) for b in self.batches)
+        return sum(b.size for b in self.batches)
 
     @property
     def padded_rows(self) -> int:
@@ -57,7 +80,7 @@ class Plan:
         """Items per (height, width)."""
         counts: Counter[tuple[int, int]] = Counter()
         for b in self.batches:
-            counts[(b.height, b.width)] += len(b.items)
+            counts[(b.height, b.width)] += b.size
         return dict(counts)
 
     def by_bucket(self) -> dict[int, int]:
@@ -90,34 +113,45 @@ def make_plan(
     `costs` maps (height, width) to a cost per bucket, e.g. measured step times; resolutions it
     does not name use the linear model with `batch_overhead_rows`.
     """
+    # sorted() is stable, so equal rows keep their input order.
+    ordered = sorted(items, key=lambda it: (it.height, it.width, it.row))
+    counts = {res: len(list(group)) for res, group in groupby(ordered, key=lambda it: (it.height, it.width))}
+    shapes = plan_shapes(counts, ladder, batch_overhead_rows, costs)
+    return Plan(fill(shapes, ordered), parse_ladder(ladder))
+
+
+def plan_shapes(
+    counts: Mapping[tuple[int, int], int],
+    ladder: Sequence[int],
+    batch_overhead_rows: float = 1.0,
+    costs: Mapping[tuple[int, int], Mapping[int, float]] | None = None,
+) -> tuple[BatchShape, ...]:
+    """The plan's batches from the rows per (height, width) alone: what every process of a
+    sharded job computes before it makes items for its own batches."""
     ladder = parse_ladder(ladder)
     default_costs = linear_costs(ladder, batch_overhead_rows)
     costs = costs or {}
-
-    def resolution(it: Item) -> tuple[int, int]:
-        return (it.height, it.width)
-
-    # sorted() is stable, so equal rows keep their input order.
-    ordered = sorted(items, key=lambda it: (resolution(it), it.row))
-    batches: list[Batch] = []
-    for (h, w), group_iter in groupby(ordered, key=resolution):
-        group = list(group_iter)
+    shapes: list[BatchShape] = []
+    for (h, w), n in sorted(counts.items()):
         table = costs.get((h, w), default_costs)
         try:
-            sizes = split_sizes(len(group), ladder, table)
+            sizes = split_sizes(n, ladder, table)
         except ValueError as e:
             raise ValueError(f"costs for resolution {h}x{w}: {e}") from e
         start = 0
         for ordinal, (bucket, rows) in enumerate(sizes):
-            batches.append(
-                Batch(
-                    key=f"{h}x{w}-{ordinal:06d}-b{bucket}",
-                    height=h,
-                    width=w,
-                    bucket=bucket,
-                    items=tuple(group[start : start + rows]),
-                )
-            )
+            shapes.append(BatchShape(f"{h}x{w}-{ordinal:06d}-b{bucket}", h, w, bucket, start, rows))
             start += rows
-        assert start == len(group), (h, w, start, len(group))
-    return Plan(batches=tuple(batches), ladder=ladder)
+        assert start == n, (h, w, start, n)
+    return tuple(shapes)
+
+
+def fill(shapes: Sequence[BatchShape], items: Sequence[Item]) -> tuple[Batch, ...]:
+    """Batches with their items: `items` holds the batches' rows one batch after the other (each
+    resolution's in manifest order)."""
+    batches, start = [], 0
+    for s in shapes:
+        batches.append(Batch(s.key, s.height, s.width, s.bucket, tuple(items[start:start + s.size])))
+        start += s.size
+    assert start == len(items), (start, len(items))
+    return tuple(batches)

@@ -84,6 +84,16 @@ class StartupTimes:
     total: float | None  # process start to the first batch's images; None without `imports` or a batch
 
 
+@dataclass(frozen=True)
+class OutputReport:
+    """What the writer made (`output.layout`). A part: what this run wrote; stats.json: what the
+    shard files on disk hold, over every run that added to them."""
+
+    layout: str
+    shard_files: int
+    bytes_per_format: dict[str, int]  # encoded image bytes, by output.format
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardEntry:
     """One shard's figures in stats.json's `shards`."""
@@ -124,6 +134,7 @@ class Report:
     model: str
     prompt_cache: PromptCacheCounts
     writer_busy_s: float
+    output: OutputReport | None = None  # absent from reports written before it existed
     gpu_busy: GpuBusyReport | None  # None off CUDA
     kernels: dict[str, Any]  # what pipeline.kernels applied and observed (open-ended)
     ladder_auto: dict[str, Any] | None  # bcg.ladder=auto: the calibration, when this run made it

@@ -17,9 +17,12 @@ Every process computes the same full plan, then keeps its own contiguous slice o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
+from bcg.buckets import parse_ladder
 from pipeline.errors import UserError
-from pipeline.planner import Batch, Plan
+from pipeline.manifest import Manifest
+from pipeline.planner import Batch, BatchShape, Plan, fill, plan_shapes
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,23 @@ def row_cost(height: int, width: int, attention_pixels: float | None = None) -> 
     return pixels * (1 + pixels / attention_pixels) if attention_pixels else float(pixels)
 
 
-def batch_cost(batch: Batch, batch_overhead_rows: float, attention_pixels: float | None = None) -> float:
+def batch_cost(batch: Batch | BatchShape, batch_overhead_rows: float, attention_pixels: float | None = None) -> float:
     return (batch.bucket + batch_overhead_rows) * row_cost(batch.height, batch.width, attention_pixels)
+
+
+def plan_shard(manifest: Manifest, ladder: Sequence[int], batch_overhead_rows: float,
+               costs: Mapping[tuple[int, int], Mapping[int, float]] | None, shard: ShardSpec,
+               attention_pixels: float | None = None) -> tuple[Plan, tuple[Batch, ...]]:
+    """The whole plan's batches (from the row counts alone) and this shard's, with their items:
+    a process makes items for its own rows only."""
+    plan = Plan(plan_shapes(manifest.counts(), ladder, batch_overhead_rows, costs), parse_ladder(ladder))
+    shapes = shard_batches(plan, shard, batch_overhead_rows, attention_pixels)
+    return plan, fill(shapes, manifest.items_for(shapes))
 
 
 def shard_batches(
     plan: Plan, shard: ShardSpec, batch_overhead_rows: float, attention_pixels: float | None = None
-) -> tuple[Batch, ...]:
+) -> tuple[Batch, ...] | tuple[BatchShape, ...]:
     """The batches of `plan` that process `shard.index` of `shard.count` runs, in plan order."""
     if shard.count == 1:
         return plan.batches

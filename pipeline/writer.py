@@ -1,18 +1,21 @@
-"""Background writer: PNG encoding and file writes on a thread behind a bounded queue.
+"""Background writer: image encoding and file writes on a thread behind a bounded queue.
 
-One planned batch becomes its images (`images/<id>.png`) and one Parquet shard
-(`shards/<batch key>.parquet`, one row per image). Every file is written under a temporary name and
-renamed, so a reader never sees a partial file; the shard is renamed after its images, so a shard
-on disk means its batch is complete. A write failure stops the job at the next `submit`, with the
-error, and loses nothing already written.
+One planned batch is committed as its images (`images/<id>.<ext>` in the `files` layout) and then
+its staging file (`pipeline.staging`: its rows, the image bytes where the layout embeds them, its
+index entry). Once every batch of a shard group is committed, the group becomes its shard file
+(`pipeline.layouts`), assembled from the staging files in plan order, so a shard's bytes do not
+depend on where an earlier run stopped. Every file is written under a temporary name and renamed,
+so a reader never sees a partial file. A write failure stops the job at the next `submit`, with
+the error, and loses nothing already committed.
 """
 
 from __future__ import annotations
 
-import io
+import logging
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,61 +23,37 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
-from PIL import Image
 
-from pipeline.fsutil import atomic_write_bytes, atomic_write_table
+from pipeline.committed import read_committed
+from pipeline.encoding import Encoding, encode_image
+from pipeline.fsutil import atomic_write_bytes
+from pipeline.layouts import (IMAGE_FIELD, IMAGES_DIR, SHARDS_DIR, STAGING_DIR, embeds, image_path, reserved_columns,
+                              row_schema, write_shard)
+from pipeline.shard_files import BatchEntry, ShardGroup, entry_of, file_stem
+from pipeline.staging import load_staged, stage, unstage
 
-IMAGES_DIR = "images"
-SHARDS_DIR = "shards"
+__all__ = ["IMAGES_DIR", "SHARDS_DIR", "BatchResult", "Output", "WriteError", "Writer", "reserved_columns", "row_schema"]
 
-BASE_FIELDS = [
-    pa.field("id", pa.string()),
-    pa.field("prompt", pa.string()),
-    pa.field("negative_prompt", pa.string()),
-    pa.field("seed", pa.int64()),
-    pa.field("width", pa.int64()),
-    pa.field("height", pa.int64()),
-    pa.field("bucket", pa.int64()),
-    pa.field("batch_key", pa.string()),
-    pa.field("steps", pa.int64()),
-    pa.field("guidance_scale", pa.float64()),
-    pa.field("model", pa.string()),
-    pa.field("sampler", pa.string()),
-    # digest of every other setting an image depends on (model config, precision, scope, ...)
-    pa.field("settings", pa.string()),
-    pa.field("status", pa.string()),
-    pa.field("error", pa.string()),
-    pa.field("path", pa.string()),
-    pa.field("time_encode_s", pa.float64()),
-    pa.field("time_noise_s", pa.float64()),
-    pa.field("time_denoise_s", pa.float64()),
-    pa.field("time_decode_s", pa.float64()),
-]
-IMAGE_FIELD = pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
-
-
-RESERVED = frozenset(f.name for f in BASE_FIELDS) | {IMAGE_FIELD.name}
-
-
-def shard_schema(extra: pa.Schema, embed_images: bool) -> pa.Schema:
-    """Base columns, the optional image column, then the manifest's own extra columns (whose names
-    must not be ours: `reserved_columns` says which are)."""
-    fields = BASE_FIELDS + ([IMAGE_FIELD] if embed_images else [])
-    return pa.schema(fields + list(extra))
-
-
-def reserved_columns(extra: pa.Schema) -> list[str]:
-    return sorted(RESERVED & set(extra.names))
+log = logging.getLogger(__name__)
 
 
 class WriteError(RuntimeError):
     """Outputs could not be written (disk full, permission denied, ...): the job must stop."""
 
 
+@dataclass(frozen=True)
+class Output:
+    """What the writer makes of a batch: `output.layout`, the image encoding, the rows' columns."""
+
+    layout: str
+    encoding: Encoding
+    schema: pa.Schema  # a staged batch's columns: row_schema(extras, embeds(layout))
+
+
 @dataclass
 class BatchResult:
     key: str
-    rows: list[dict[str, Any]]  # shard rows; "path" is set for rows with an image
+    rows: list[dict[str, Any]]  # output rows, without path / bytes / sha256 (the writer sets them)
     images: list[np.ndarray | None]  # [H, W, 3] uint8 per row, None for a failed row
 
     def resolve(self) -> "BatchResult":
@@ -87,27 +66,20 @@ class Pending(Protocol):
     def resolve(self) -> BatchResult: ...
 
 
-def encode_png(pixels: np.ndarray, compress_level: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(pixels, mode="RGB").save(buf, format="PNG", compress_level=compress_level)
-    return buf.getvalue()
-
-
 class Writer:
-    def __init__(self, out_dir: Path, schema: pa.Schema, queue_size: int, compress_level: int, embed_images: bool,
-                 encode_threads: int = 1):
+    def __init__(self, out_dir: Path, output: Output, groups: list[ShardGroup], queue_size: int, encode_threads: int = 1):
         self.out_dir = Path(out_dir)
-        (self.out_dir / IMAGES_DIR).mkdir(parents=True, exist_ok=True)
-        (self.out_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
-        self.schema = schema
-        self.compress_level = compress_level
-        self.embed_images = embed_images
+        for folder in ((IMAGES_DIR,) if not embeds(output.layout) else ()) + (SHARDS_DIR, STAGING_DIR):
+            (self.out_dir / folder).mkdir(parents=True, exist_ok=True)
+        self.output = output
         self.busy_s = 0.0
+        self.bytes_per_format: Counter = Counter()  # encoded image bytes this run wrote
         self.error: BaseException | None = None  # writing failed
         self.failure: BaseException | None = None  # resolving a batch failed (a device error)
-        # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, which shortens
-        # the tail after the last batch and keeps up with large images.
-        self._encoder = ThreadPoolExecutor(max_workers=max(encode_threads, 1), thread_name_prefix="png")
+        self.assembler = Assembler(self.out_dir, output, groups)
+        # Encoders (zlib, libjpeg, libwebp) release the GIL: a batch's images encode in parallel,
+        # which shortens the tail after the last batch and keeps up with large images.
+        self._encoder = ThreadPoolExecutor(max_workers=max(encode_threads, 1), thread_name_prefix="encode")
         self._queue: queue.Queue[Pending | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._loop, name="writer", daemon=True)
         self._thread.start()
@@ -148,11 +120,73 @@ class Writer:
             self.busy_s += time.perf_counter() - start
 
     def _write(self, result: BatchResult) -> None:
+        layout, encoding = self.output.layout, self.output.encoding
         ok = [(row, pixels) for row, pixels in zip(result.rows, result.images) if pixels is not None]
-        encoded = self._encoder.map(lambda pixels: encode_png(pixels, self.compress_level), [p for _, p in ok])
-        for (row, _), data in zip(ok, encoded):
-            atomic_write_bytes(self.out_dir / row["path"], data)
-            if self.embed_images:
-                row["image"] = {"bytes": data, "path": row["path"]}
-        table = pa.Table.from_pylist(result.rows, schema=self.schema)
-        atomic_write_table(self.out_dir / SHARDS_DIR / f"{result.key}.parquet", table)
+        encoded = self._encoder.map(lambda pixels: encode_image(encoding, pixels), [p for _, p in ok])
+        for row in result.rows:
+            row.update(path=None, bytes=None, sha256=None)
+        for (row, _), image in zip(ok, encoded):
+            row.update(path=image_path(layout, row["id"], encoding.ext), bytes=len(image.data), sha256=image.sha256)
+            if embeds(layout):
+                row[IMAGE_FIELD.name] = {"bytes": image.data, "path": f"{row['id']}.{encoding.ext}"}
+            else:
+                atomic_write_bytes(self.out_dir / row["path"], image.data)
+        entry = entry_of(result.key, result.rows, encoding.format)
+        stage(self.out_dir, layout, pa.Table.from_pylist(result.rows, schema=self.output.schema), entry)
+        self.bytes_per_format[encoding.format] += entry.bytes
+        self.assembler.committed(entry)
+
+
+class Assembler:
+    """Writes a group's shard file once every batch of it is committed, and removes the staging
+    files it was made from. Starts by writing the groups that an earlier run committed whole but
+    did not assemble. Only this process's groups: another process of the job owns the others."""
+
+    def __init__(self, out_dir: Path, output: Output, groups: list[ShardGroup]):
+        self.out_dir, self.output = out_dir, output
+        self.shard_files = 0  # written by this run
+        committed = read_committed(out_dir)
+        filed = {k for k, b in committed.batches.items() if not b.staged}
+        self._staged: dict[str, BatchEntry] = {k: b.entry for k, b in committed.batches.items() if b.staged}
+        self._groups: list[tuple[ShardGroup, list[str]]] = []  # each with its batches that no shard holds yet
+        self._left: dict[str, int] = {}  # batch key -> its group, while not committed
+        self._remaining: dict[int, set[str]] = {}
+        mine = {k for g in groups for k in g.keys}
+        unstage(out_dir, sorted(mine & committed.staged_too))  # stopped between a shard and its cleanup
+        self._remove_unfinished_tars(groups, filed)
+        for g, group in enumerate(groups):
+            pending = [k for k in group.keys if k not in filed]
+            self._groups.append((group, pending))
+            remaining = {k for k in pending if k not in self._staged}
+            self._remaining[g] = remaining
+            self._left.update({k: g for k in remaining})
+            if pending and not remaining:
+                self._assemble(g)
+
+    def committed(self, entry: BatchEntry) -> None:
+        self._staged[entry.key] = entry
+        g = self._left.pop(entry.key)
+        self._remaining[g].discard(entry.key)
+        if not self._remaining[g]:
+            self._assemble(g)
+
+    def _assemble(self, g: int) -> None:
+        group, pending = self._groups[g]
+        stem = file_stem(group.ordinals[group.keys.index(pending[0])])
+        tables = (load_staged(self.out_dir, key) for key in pending)
+        write_shard(self.out_dir, self.output.layout, stem, self.output.schema, tables,
+                    [self._staged[k] for k in pending])
+        unstage(self.out_dir, pending)
+        for key in pending:
+            del self._staged[key]
+        self.shard_files += 1
+
+    def _remove_unfinished_tars(self, groups: list[ShardGroup], filed: set[str]) -> None:
+        """A tar whose `.parquet` never came (the process stopped between the two) holds batches
+        that are still staged; it is written again, perhaps under another name. Only tars named
+        after this process's batches: another process may be between the two right now."""
+        shards = self.out_dir / SHARDS_DIR
+        unfinished = {p.stem for p in shards.glob("*.tar")} - {p.stem for p in shards.glob("*.parquet")}
+        mine = {file_stem(o) for g in groups for k, o in zip(g.keys, g.ordinals) if k not in filed}
+        for stem in sorted(unfinished & mine):
+            (shards / f"{stem}.tar").unlink()

@@ -409,3 +409,59 @@ def test_format_bad_rows_default_limit_is_fifty() -> None:
     lines = format_bad_rows(_many_bad(1000)).splitlines()
     assert len(lines) == 52
     assert lines[-1] == "  ... and 950 more"
+
+
+# ---- the columnar checks find every bad row the cell checks would -------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pipeline.manifest import _id_reasons, _prompt_reasons, _seed_reasons, _side_checker, _show  # noqa: E402
+
+ODD_TEXT = st.one_of(st.none(), st.sampled_from(["", " ", "\u3000\t", ".", "..", "a..b", "a/b", "a\\b", "x\x85", "x" * 129]),
+                     st.text(max_size=6))
+ODD_NUMBER = st.one_of(st.none(), st.sampled_from([0, -16, 16, 17, 2048, 2064, 2**63 - 1]), st.integers(-64, 4096))
+ODD_FLOAT = st.one_of(st.none(), st.sampled_from([math.nan, math.inf, 16.5, 32.0, 2.0**63, -1.0]), st.floats(-64, 4096))
+
+
+def reference(columns: dict[str, list]) -> list[tuple[int, tuple[str, ...]]]:
+    """Every row through the cell checks alone, one at a time: what the columnar scan must match."""
+    side = {name: _side_checker(name, GRANULARITY, MAX_SIDE) for name in ("width", "height")}
+    seen: dict[str, int] = {}
+    bad = []
+    for row in range(len(columns["id"])):
+        value, reasons = _id_reasons(columns["id"][row])
+        if value:
+            first = seen.setdefault(value, row)
+            if first != row:
+                reasons = reasons + [f"duplicate id {_show(value)} (first at row {first})"]
+        reasons = reasons + _prompt_reasons(columns["prompt"][row])[1] + side["width"](columns["width"][row])[1]
+        reasons = reasons + side["height"](columns["height"][row])[1] + _seed_reasons(columns["seed"][row])[1]
+        if reasons:
+            bad.append((row, tuple(reasons)))
+    return bad
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(1, 12), floats=st.booleans())
+def test_columnar_checks_give_the_reasons_of_the_row_by_row_checks(tmp_path, data, n, floats):
+    number = ODD_FLOAT if floats else ODD_NUMBER
+    columns = {"id": data.draw(st.lists(st.one_of(ODD_TEXT, st.sampled_from(["a", "b"])), min_size=n, max_size=n)),
+               "prompt": data.draw(st.lists(ODD_TEXT, min_size=n, max_size=n)),
+               **{c: data.draw(st.lists(number, min_size=n, max_size=n)) for c in ("width", "height", "seed")}}
+    types = {"id": pa.string(), "prompt": pa.string(), **{c: pa.float64() if floats else pa.int64() for c in ("width", "height", "seed")}}
+    pq.write_table(pa.table({c: pa.array(v, types[c]) for c, v in columns.items()}), tmp_path / "m.parquet")
+    items, bad = read(tmp_path / "m.parquet")
+    assert [(b.row, b.reasons) for b in bad] == reference(columns)
+    assert [it.row for it in items] == sorted(set(range(n)) - {b.row for b in bad})
+
+
+def test_the_whitespace_the_columnar_check_knows_is_what_str_strip_strips():
+    import re
+    import sys
+
+    from pipeline.manifest import _SPACE
+
+    ranges = re.findall(r"\\x\{([0-9a-f]+)\}(?:-\\x\{([0-9a-f]+)\})?", _SPACE)
+    known = {c for a, b in ranges for c in range(int(a, 16), int(b or a, 16) + 1)}
+    assert known == {c for c in range(sys.maxunicode + 1) if chr(c).isspace()}

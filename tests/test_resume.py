@@ -20,7 +20,7 @@ from pipeline import writer as writer_module
 from pipeline.guard import JobLock, LockedError
 from pipeline.job import run
 from pipeline.models.pixart import PixArtAdapter
-from pipeline.resume import ResumeConflict
+from pipeline.resume import ResumeConflict, read_committed
 from pipeline.sharding import ShardSpec
 from pipeline.writer import WriteError
 
@@ -34,18 +34,19 @@ def cli(manifest, out, *extra):
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_shards(out, n, proc, timeout=120):
+def wait_for_batches(out, n, proc, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len(list((out / "shards").glob("*.parquet")) if (out / "shards").is_dir() else []) >= n:
+        if out.is_dir() and len(read_committed(out).batches) >= n:
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.02)
-    raise AssertionError("no shards appeared")
+    raise AssertionError("no batches were committed")
 
 
 def committed_ids(out):
-    return sorted(pq.read_table(out / "shards").column("id").to_pylist())
+    """Every id committed under `out`, in a shard file or staged."""
+    return sorted(i for b in read_committed(out).batches.values() for i in b.entry.ids)
 
 
 def visible_tmp(out):
@@ -66,7 +67,7 @@ def test_stopped_job_finishes_when_run_again_with_identical_images(uninterrupted
     manifest, whole = uninterrupted
     out = tmp_path / "out"
     proc = cli(manifest, out)
-    wait_for_shards(out, 3, proc)
+    wait_for_batches(out, 3, proc)
     proc.send_signal(sig)
     assert proc.wait(timeout=120) == code, proc.communicate()
     first = committed_ids(out)
@@ -169,8 +170,10 @@ def test_row_that_never_fits_is_marked_failed(tmp_path, monkeypatch):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
     report = run(cpu_job(manifest, tmp_path / "out"))
     assert report["images"]["failed"] == 2
-    shard = pq.read_table(tmp_path / "out" / "shards").to_pylist()
-    assert all(r["status"] == "failed" and "out of memory" in r["error"] for r in shard)
+    assert pq.read_table(tmp_path / "out" / "shards").num_rows == 0  # no data file holds a failed row
+    failed = pq.read_table(tmp_path / "out" / "failed.parquet").to_pylist()
+    assert [r["id"] for r in failed] == ["a", "b"]
+    assert all(r["status"] == "failed" and "out of memory" in r["error"] for r in failed)
 
 
 def test_disk_full_stops_the_job_and_keeps_what_was_committed(tmp_path, monkeypatch):

@@ -97,9 +97,28 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     assert json.loads((tmp_path / "out" / BENCH).read_text()) == result
 
 
-def test_image_comparison_reports_psnr_and_worst_difference(tmp_path):
+def write_output(out, images, layout):
+    """An output directory of one batch of these [n, H, W, 3] images, as a job's writer commits it."""
+    import pyarrow as pa
+
+    from pipeline.encoding import Encoding
+    from pipeline.layouts import embeds
+    from pipeline.shard_files import ShardGroup
+    from pipeline.writer import BatchResult, Output, Writer, row_schema
+
+    key = "16x16-000000-b3"
+    fields = {"prompt": "p", "negative_prompt": None, "width": 16, "height": 16, "bucket": 3, "batch_key": key, "steps": 1,
+              "guidance_scale": 1.0, "model": "m", "sampler": "s", "settings": "x", "format": "png", "quality": None,
+              "status": "ok", "error": None}
+    rows = [{"id": f"r{k}", "seed": k, **fields} for k in range(len(images))]
+    writer = Writer(out, Output(layout, Encoding(), row_schema(pa.schema([]), embeds(layout))), [ShardGroup((key,), (0,))], 1)
+    writer.submit(BatchResult(key, rows, list(images)))
+    writer.close()
+
+
+@pytest.mark.parametrize("layout", ["files", "webdataset"])
+def test_image_comparison_reports_psnr_and_worst_difference(tmp_path, layout):
     import numpy as np
-    from PIL import Image
 
     from pipeline.compare import compare
 
@@ -108,9 +127,7 @@ def test_image_comparison_reports_psnr_and_worst_difference(tmp_path):
     shifted = base.copy()
     shifted[1, 0, 0, 0] = base[1, 0, 0, 0] ^ 8  # one channel of one pixel off by 8 levels
     for name, images in (("a", base), ("b", shifted)):
-        (tmp_path / name / "images").mkdir(parents=True)
-        for k, im in enumerate(images):
-            Image.fromarray(im).save(tmp_path / name / "images" / f"r{k}.png")
+        write_output(tmp_path / name, images, layout)
     result = compare(tmp_path / "a", tmp_path / "b")
     expected_psnr = 10 * np.log10(255.0**2 / (8.0**2 / base[0].size))
     assert result["images"] == 3 and result["identical"] == 2 and result["max_levels"] == 8

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.manifest import BadRow, Item
+from pipeline.manifest import BadRow, Item, Manifest
 from pipeline.models import dit, flux, pixart, sd3
 from pipeline.models.source import (Source, config_value, force_offline, model_name, quiet_diffusers, read_pipeline_dir,
                                     vae_scale_factor)
@@ -88,23 +88,19 @@ def attention_pixels(cfg: ModelConfig) -> float:
     return 6.0 * hidden * token_side**2
 
 
-def check_items(cfg: ModelConfig, items: list[Item], bad: list[BadRow],
-                true_cfg_scale: float = 1.0) -> tuple[list[Item], list[BadRow]]:
+def check_items(cfg: ModelConfig, manifest: Manifest, bad: list[BadRow],
+                true_cfg_scale: float = 1.0) -> tuple[Manifest, list[BadRow]]:
     """The family's own row checks (DiT: class names, no negative prompt; a guidance-distilled
-    family without true CFG: no negative prompt), without weights: rows that fail join `bad`,
-    sorted by row, so manifest.on_invalid treats them like any bad row."""
+    family without true CFG: no negative prompt), without weights: rows that fail leave the manifest
+    and join `bad`, sorted by row, so manifest.on_invalid treats them like any bad row. (A family
+    with checks makes every row's item; the others make none.)"""
     source = model_source(cfg)
     checks = [c for c in (FAMILIES[source.family].item_check(source), negative_check(source, true_cfg_scale)) if c]
     if not checks:
-        return items, bad
-    good, failed = [], []
-    for item in items:
-        reasons = [reason for check in checks for reason in check(item)]
-        if reasons:
-            failed.append(BadRow(item.row, item.id, tuple(reasons)))
-        else:
-            good.append(item)
-    return good, sorted(bad + failed, key=lambda b: b.row)
+        return manifest, bad
+    failed = [BadRow(it.row, it.id, tuple(reasons)) for it in manifest.items()
+              if (reasons := [reason for check in checks for reason in check(it)])]
+    return manifest.without({b.row for b in failed}), sorted(bad + failed, key=lambda b: b.row)
 
 
 def runs_cfg(family: str, true_cfg_scale: float) -> bool:
