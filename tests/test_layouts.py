@@ -42,7 +42,8 @@ SPECS = [*[(f"r{k}", 64, 64, k) for k in range(5)], ("dot.id", 96, 64, 7), ("pct
 BAD = ("odd", 65, 64, 9)  # a bad row: with manifest.on_invalid=skip, errors.parquet
 FAILS = "r1"  # decoded non-finite: a failed row (failed.parquet), in no data file
 RUNS = {"files": "png", "webdataset": "jpeg", "parquet": "webp"}
-COMMON = ("bcg.ladder=[1,2]", "output.shard_size=3", "output.contact_sheet=true", "manifest.on_invalid=skip")
+COMMON = ("bcg.ladder=[1,2]", "output.shard_size=3", "output.contact_sheet=true", "manifest.on_invalid=skip",
+          "sampler.steps=1")
 
 
 def manifest_rows() -> list[dict]:
@@ -164,8 +165,8 @@ def test_stats_count_bytes_per_format_and_merge_works(outputs, layout):
 
 # ---- a job killed mid-shard, then run again ------------------------------------------------------
 
-KILL_SPECS = [(f"k{k}", 64, 64, k) for k in range(10)]  # bcg.ladder=[1]: 10 batches; shards of 4: 0-3, 4-7, 8-9
-KILL_ARGS = ("bcg.ladder=[1]", "output.shard_size=4")
+KILL_SPECS = [(f"k{k}", 64, 64, k) for k in range(7)]  # bcg.ladder=[1]: 7 batches; shards of 3: 0-2, 3-5, 6
+KILL_ARGS = ("bcg.ladder=[1]", "output.shard_size=3", "sampler.steps=1")
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +188,7 @@ def shard_bytes(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((out / "shards").iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("layout, where, n", [("files", "stage", 6), ("webdataset", "stage", 6), ("parquet", "stage", 6),
-                                              ("webdataset", "unstage", 1)])
+@pytest.mark.parametrize("layout, where, n", [("files", "stage", 5), ("parquet", "stage", 5), ("webdataset", "unstage", 1)])
 def test_sigkill_mid_shard_then_resume_gives_the_uninterrupted_shards(uninterrupted, tmp_path, layout, where, n):
     manifest, whole = uninterrupted
     out = tmp_path / "out"
@@ -196,9 +196,11 @@ def test_sigkill_mid_shard_then_resume_gives_the_uninterrupted_shards(uninterrup
                             f"output.layout={layout}", *KILL_ARGS], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     staged = sorted(p.stem for p in (out / "shards" / ".staging").glob("*.parquet"))
-    assert staged == (["64x64-000004-b1", "64x64-000005-b1"] if where == "stage" else [f"64x64-{k:06d}-b1" for k in range(4)])
+    # stage: the first shard written, the second one's first two batches committed; unstage: the
+    # first shard written, its three batches still staged
+    assert staged == [f"64x64-{k:06d}-b1" for k in ((3, 4) if where == "stage" else (0, 1, 2))]
     report = run(cpu_job(manifest, out, f"output.layout={layout}", *KILL_ARGS))
-    assert report["images"]["skipped"] == (6 if where == "stage" else 4) and (out / "_SUCCESS").exists()
+    assert report["images"]["skipped"] == (5 if where == "stage" else 3) and (out / "_SUCCESS").exists()
     assert shard_bytes(out) == shard_bytes(whole(layout))
     assert not list((out / "shards" / ".staging").iterdir())
     if layout == "files":
@@ -215,7 +217,7 @@ def test_overwrite_regenerates_only_the_changed_batch_and_its_shard_equals_a_new
     with pytest.raises(ResumeConflict, match=r"id 'k5': seed changed"):
         run(cpu_job(manifest, tmp_path / "out", *args))
     report = run(cpu_job(manifest, tmp_path / "out", *args, "output.on_conflict=overwrite"))
-    assert report["images"]["ok"] == 1 and report["images"]["skipped"] == 9
+    assert report["images"]["ok"] == 1 and report["images"]["skipped"] == 6
     fresh = write_manifest(tmp_path / "fresh.parquet", rows(*changed))
     run(cpu_job(fresh, tmp_path / "fresh", *args))
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "fresh")
@@ -225,23 +227,21 @@ def test_overwrite_regenerates_only_the_changed_batch_and_its_shard_equals_a_new
                                            ("output.format=jpeg", "id 'a': format, quality changed")])
 def test_another_layout_or_format_on_committed_output_is_a_conflict(tmp_path, override, why):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
-    run(cpu_job(manifest, tmp_path / "out"))
+    run(cpu_job(manifest, tmp_path / "out", "sampler.steps=1"))
     with pytest.raises(ResumeConflict, match=why):
-        run(cpu_job(manifest, tmp_path / "out", override))
+        run(cpu_job(manifest, tmp_path / "out", "sampler.steps=1", override))
 
 
-def test_two_shard_processes_write_their_own_files_and_give_one_processs_samples(tmp_path):
-    manifest = write_manifest(tmp_path / "m.parquet", rows(*KILL_SPECS, *[(f"w{k}", 96, 64, k) for k in range(5)]))
-    args = ("output.layout=parquet", "bcg.ladder=[1,2]", "output.shard_size=4")
-    run(cpu_job(manifest, tmp_path / "one", *args))
+def test_two_shard_processes_write_their_own_files_and_give_one_processs_samples(uninterrupted, tmp_path):
+    manifest, whole = uninterrupted
     names = []
     for index in (1, 0):
-        run(cpu_job(manifest, tmp_path / "two", *args, f"shard.index={index}", "shard.count=2"))
+        run(cpu_job(manifest, tmp_path / "two", "output.layout=parquet", *KILL_ARGS, f"shard.index={index}", "shard.count=2"))
         names.append({p.name for p in (tmp_path / "two" / "shards").glob("*.parquet")} - set().union(*names))
     assert names[0] and names[1] and (tmp_path / "two" / "_SUCCESS").exists()
-    samples = [{r["id"]: r["image"]["bytes"] for p in sorted((tmp_path / out / "shards").glob("*.parquet"))
-                for r in pq.read_table(p, columns=["id", "image"]).to_pylist()} for out in ("one", "two")]
-    assert samples[0] == samples[1] and len(samples[0]) == 15
+    samples = [{r["id"]: r["image"]["bytes"] for p in sorted((out / "shards").glob("*.parquet"))
+                for r in pq.read_table(p, columns=["id", "image"]).to_pylist()} for out in (whole("parquet"), tmp_path / "two")]
+    assert samples[0] == samples[1] and len(samples[0]) == len(KILL_SPECS)
 
 
 # ---- pure: which batches go into which shard file --------------------------------------------------
@@ -304,7 +304,7 @@ def test_bench_scale_script_plans_shards_and_scans_a_synthetic_output(tmp_path):
 def test_a_shard_whose_batches_were_committed_before_the_manifest_gained_a_column_has_it_null(tmp_path, monkeypatch):
     import pipeline.writer as writer
 
-    manifest = write_manifest(tmp_path / "m.parquet", rows(*KILL_SPECS[:4]))
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*KILL_SPECS[:3]))
     stage, staged = writer.stage, []
 
     def stage_two_then_fail(*args):
@@ -316,7 +316,7 @@ def test_a_shard_whose_batches_were_committed_before_the_manifest_gained_a_colum
     with pytest.raises(writer.WriteError):
         run(cpu_job(manifest, tmp_path / "out", *KILL_ARGS))
     monkeypatch.setattr(writer, "stage", stage)
-    write_manifest(manifest, [{**r, "style": "new"} for r in rows(*KILL_SPECS[:4])])
+    write_manifest(manifest, [{**r, "style": "new"} for r in rows(*KILL_SPECS[:3])])
     assert run(cpu_job(manifest, tmp_path / "out", *KILL_ARGS))["images"]["skipped"] == 2
     (shard,) = (tmp_path / "out" / "shards").glob("*.parquet")
-    assert [r["style"] for r in pq.read_table(shard).to_pylist()] == [None, None, "new", "new"]
+    assert [r["style"] for r in pq.read_table(shard).to_pylist()] == [None, None, "new"]
