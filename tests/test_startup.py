@@ -118,12 +118,17 @@ def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_s
     and resumed in another gives the uninterrupted job's bytes, and the second process loads what
     the first compiled from the job's cache instead of compiling."""
     manifest = write_manifest(tmp_path / "m.parquet", SIZES)
-    whole = run(cpu_job(manifest, tmp_path / "whole", *SMALL, *NORMS))
+
+    def job(out: str) -> tuple[str, ...]:  # every job in a process of its own: no compile of this process's is reused
+        return ("-m", "pipeline.run", f"manifest.path={manifest}", f"output.dir={tmp_path / out}", "precision=fp32",
+                "runtime.device=cpu", "runtime.progress=false", *SMALL, *NORMS)
+
+    assert run_python(*job("whole")).returncode == 0
+    whole = stats(tmp_path / "whole")
     assert whole["kernels"]["cache_misses"] > 0 and (tmp_path / "whole" / JOB_CACHE / "fxgraph").is_dir()
     assert whole["kernels"]["reproducible"] is True
 
-    common = ("-m", "pipeline.run", f"manifest.path={manifest}", f"output.dir={tmp_path / 'resumed'}",
-              "precision=fp32", "runtime.device=cpu", "runtime.progress=false", *SMALL, *NORMS)
+    common = job("resumed")
     stopped = run_python(*common, env={STOP_AFTER_BATCHES: "1"})
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
     resumed = run_python(*common)
