@@ -106,7 +106,7 @@ def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> FluxAdapter
     adapter.transformer = copy.deepcopy(base.transformer)
     if "fp8" in variant:
         log.info("%s: %d linear layers in float8", variant, quantize_fp8(adapter.transformer))
-    compile_transformer(adapter.transformer, "default", shapes, dynamic=True, scope="blocks")
+    compile_transformer(adapter.transformer, "default", "fixed", shapes, dynamic=True, scope="blocks")
     return adapter
 
 

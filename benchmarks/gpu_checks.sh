@@ -44,6 +44,11 @@
 #   bash benchmarks/gpu_checks.sh writer-formats # +job=bench without the baseline on the 200-row manifest, with
 #                                                # output.format=jpeg, then output.layout=webdataset: GPU busy
 #                                                # (gpu_busy.fraction) and image bytes per format, each way
+#   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it twice with
+#                                                # one fresh kernels.compile_cache_dir: cold (empty), then warm (the
+#                                                # first run's cache), as a job's first and later processes
+#   bash benchmarks/gpu_checks.sh fp8-200        # after cache-200: PixArt-Sigma with kernels.fp8 (compiled blocks) against
+#                                                # the same baseline, and its images against cache-200's bf16 (PSNR)
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -211,6 +216,31 @@ writer_formats() {
   done
 }
 
+# ours_200 NAME CACHE OVERRIDES...: our job on the 200 rows against cache-200's saved baseline
+ours_200() {
+  local name=$1 cache=$2; shift 2
+  rm -rf /tmp/bench-200-$name
+  timeout -s KILL ${BENCH_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline_from=/tmp/baseline-200 manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/bench-200-$name kernels.compile_cache_dir=$cache "$@" > "$BENCH_OUT/bench_200_$name.log" 2>&1; local code=$?
+  cp /tmp/bench-200-$name/bench.json "$BENCH_OUT/bench_200_$name.json" 2>/dev/null; cp /tmp/bench-200-$name/stats.json "$BENCH_OUT/bench_200_${name}_stats.json" 2>/dev/null
+  bench_summary "ours, 200 rows, $name $*" $code "$BENCH_OUT/bench_200_$name.log"
+  python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s)" /tmp/bench-200-$name/stats.json 2>/dev/null
+}
+
+cache_200() {
+  rm -rf /tmp/baseline-200
+  timeout -s KILL ${BENCH_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline_only=true manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/baseline-200 > "$BENCH_OUT/baseline_200.log" 2>&1; local code=$?
+  echo "== baseline, 200 rows"; rc $code; grep -E "diffusers baseline" "$BENCH_OUT/baseline_200.log" | cut -c1-300; tail_if_failed $code "$BENCH_OUT/baseline_200.log"
+  local cache; cache=$(mktemp -d /tmp/inductor-200.XXXX)
+  ours_200 cold $cache "${kernels[@]}"
+  ours_200 warm $cache "${kernels[@]}"
+}
+
+fp8_200() {
+  ours_200 fp8 "$(mktemp -d /tmp/inductor-fp8.XXXX)" kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile_scope=blocks "${kernels[@]}"
+  python3 -m pipeline.compare /tmp/bench-200-cold /tmp/bench-200-fp8 --json "$BENCH_OUT/fp8_200_vs_bf16.json" > "$BENCH_OUT/fp8_200_vs_bf16.log" 2>&1; local code=$?
+  echo "== fp8 vs bf16 images, 200 rows"; rc $code; tail -8 "$BENCH_OUT/fp8_200_vs_bf16.log"
+}
+
 shards() {
   rm -rf /tmp/bench-shards
   timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
@@ -236,6 +266,8 @@ for what in "${@:-cuda-tests}"; do
     decode) decode ;;
     recompiles) recompiles ;;
     writer-formats) writer_formats ;;
+    cache-200) cache_200 ;;
+    fp8-200) fp8_200 ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac
