@@ -1,27 +1,44 @@
-"""FLUX.1-dev's transformer step per kernel variant, and what float8 does to its images, in one run.
+"""FLUX.1-dev and FLUX.1-schnell end to end against diffusers' FluxPipeline, and FLUX.1-dev's transformer
+step per kernel variant, in one process and one model build per model.
 
-On the GPU, from the repository root (random weights of the real architecture, conf/model/flux_dev.yaml,
-built on the GPU; bf16, TF32 off, cudnn.benchmark off):
+On the GPU, from the repository root (random weights of the real architectures, conf/model/flux_dev.yaml
+and conf/model/flux_schnell.yaml, built on the GPU; bf16, TF32 off, cudnn.benchmark off):
 
     python benchmarks/bench_flux.py --out outputs/benchmarks/bench_flux.json
 
-1. One transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows, unpack; guidance
-   embedded) at each `--sides` px, batch `--batch`, per variant:
-   - `eager`: PyTorch's kernels, no graph;
-   - `graph`: the same, replayed from our engine's CUDA graph;
-   - `fp8+compile`: kernels.fp8's rowwise-scaled float8 linear layers, the transformer's repeated
-     blocks compiled (kernels.compile, compile_scope=blocks, dynamic shapes), replayed from our graph;
-   - `compile`: the same compile in bf16 (last: the one a time limit may cut).
-   Each compiled variant runs on its own copy of the transformer; its first pass (the compile) is
-   reported apart. Median ms over `--iters` calls after `--warmup`, on CUDA events.
-2. Images: `--rows` prompts at `--image-side` px, `--steps` steps, guidance `--guidance`, through the
-   step scope under graphs (per-row seeded noise, the real text encoders, VAE decode), once with the
-   bf16 `graph` transformer and once with the `fp8+compile` one: PSNR (peak 255) and worst
-   difference of fp8 against bf16, per image; seconds per image each way (one batch of `--rows`,
-   after capture); peak GPU memory.
-The JSON (`--out`) is written after every stage, so a run stopped by a time limit keeps what it
-measured; the table is printed at the end.
-CPU check (tiny_flux, bf16, no graphs; compile and fp8 on the CPU): `--smoke`.
+Variants (`--variants`), each compiled one on its own copy of the transformer, released before the next:
+- `eager`: PyTorch's kernels, no graph;
+- `graph`: the same, replayed from our engine's CUDA graphs;
+- `compile`: bf16, the transformer's repeated blocks compiled (kernels.compile, compile_scope=blocks,
+  dynamic shapes), replayed from our graphs;
+- `fp8+compile`: the same over kernels.fp8's rowwise-scaled float8 linear layers.
+
+1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
+   unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
+   `--iters` calls after `--warmup`, on CUDA events; the first pass (a compile's compile) apart.
+2. Cases (`--cases`), each a model, a size, a batch, rows, steps and guidance (CASES):
+   - `1024-b1`, `512-b1`: FLUX.1-dev, batch 1, 2 rows, 28 steps, guidance 3.5;
+   - `1024-b4`: FLUX.1-dev, 1024 px, one batch of 4;
+   - `schnell-1024-b1`: FLUX.1-schnell, 1024 px, batch 1, 2 rows, 4 steps, guidance 0 (it has no
+     guidance embedding).
+   diffusers: FluxPipeline, eager bf16, over the same modules, given the prompt embeddings (text encoding
+   outside both clocks), one CPU generator per row (pipeline.bench's baseline call); a 2-step call at the
+   case's size and batch first, then the rows in calls of the case's batch, timed from the first call to
+   the last image.
+   Ours, per variant of `--images`: the step scope (Denoiser: forward + our graph-safe sampler per
+   engine call) under our graphs, the same embeddings, per-row noise from the same seeds as FluxPipeline
+   draws it, VAE decode, uint8 on the host. Captured (and compiled) first, reported apart; then timed
+   batch by batch from the noise to the images.
+   Compared on the same rows: each variant's images against diffusers' (max and mean level difference),
+   fp8+compile's against the bf16 variant's (`compile`, else `graph`): PSNR (peak 255) and max level.
+   Speed-up: diffusers' seconds per image / ours, in this run.
+Order: FLUX.1-dev is built once: the uncompiled variants' steps, diffusers' dev cases, then each variant
+(its steps, then its cases). Then it is released and FLUX.1-schnell built: diffusers, then each variant.
+Peak GPU memory is reported per stage. The JSON (`--out`) is written after every stage, so a run stopped
+by a time limit keeps what it measured; the tables are printed at the end (`--report FILE`: those of a
+saved JSON).
+CPU check: `--smoke` (tiny_flux, and tiny_flux without guidance embedding or shift as schnell; each case
+at a sixteenth of its side, batch 4 as 2, one row per batch-1 case, 2 steps; no graphs).
 """
 
 # ruff: noqa: E402
@@ -29,11 +46,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import logging
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,53 +61,106 @@ sys.path.insert(0, str(ROOT))
 
 from bcg.engine import BCGEngine
 from benchmarks.bench_engine import bench_device, environment, make_inputs, time_calls
+from pipeline.bench import baseline_prompts, prompt_embeddings
 from pipeline.compare import psnr
+from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels.compile import compile_transformer, start_compile_workers
-from pipeline.config import KernelsConfig
+from pipeline.kernels.compile import compile_stats, compile_transformer, start_compile_workers
 from pipeline.kernels.fp8 import quantize_fp8
-from pipeline.models import build_model
+from pipeline.manifest import Item
+from pipeline.models import build_model, to_diffusers
+from pipeline.models.base import free_memory
 from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
 
-VARIANTS = ("eager", "graph", "fp8+compile", "compile")
+VARIANTS = ("eager", "graph", "compile", "fp8+compile")
+UNCOMPILED = ("eager", "graph")  # on the model itself
+IMAGE_VARIANTS = ("graph", "compile", "fp8+compile")
+BF16 = ("compile", "graph")  # the bf16 images fp8's are compared with: the first of these that made images
+FP8 = "fp8+compile"
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
            "an old map of an imaginary island", "a glass of water on a wooden table", "a city street in the rain"]
-SMOKE = dict(model="tiny_flux", sides=[64, 32], image_side=64, rows=2, steps=2, iters=2, warmup=1)
+SEED = 100  # row k's seed: SEED + k, on both sides
+WARMUP_STEPS = 2  # diffusers' warm-up call: its kernels at the case's size and batch, the decode included
+ENTRIES_PER_SHAPE = 2  # recompile_budget
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # "dev": --model, "schnell": --schnell-model
+    side: int
+    batch: int
+    rows: int
+    steps: int
+    guidance: float
+
+    def items(self) -> list[Item]:
+        return [Item(id=f"{self.name}-{k}", prompt=PROMPTS[k % len(PROMPTS)], negative_prompt=None, width=self.side,
+                     height=self.side, seed=SEED + k, row=k) for k in range(self.rows)]
+
+    def batches(self) -> list[list[Item]]:
+        items = self.items()
+        return [items[first:first + self.batch] for first in range(0, self.rows, self.batch)]
+
+
+CASES = {c.name: c for c in (
+    Case("1024-b1", "dev", 1024, 1, 2, 28, 3.5),
+    Case("512-b1", "dev", 512, 1, 2, 28, 3.5),
+    Case("1024-b4", "dev", 1024, 4, 4, 28, 3.5),  # batch > 1: a second compile (dynamo specializes batch 1)
+    Case("schnell-1024-b1", "schnell", 1024, 1, 2, 4, 0.0),
+)}
+SMOKE_CASES = {c.name: c for c in (
+    Case("1024-b1", "dev", 64, 1, 1, 2, 3.5),
+    Case("512-b1", "dev", 32, 1, 1, 2, 3.5),
+    Case("1024-b4", "dev", 64, 2, 2, 2, 3.5),
+    Case("schnell-1024-b1", "schnell", 64, 1, 1, 2, 0.0),
+)}
+# FLUX.1-schnell's differences from FLUX.1-dev, on tiny_flux (tests/test_diffusers_parity.py's schnell-like model)
+TINY_SCHNELL = ("arch.transformer.guidance_embeds=false", "scheduler.config.shift=1.0",
+                "scheduler.config.use_dynamic_shifting=false", "max_sequence_length=16")
+SMOKE = dict(model="tiny_flux", schnell_model="tiny_flux", sides=[64, 32], iters=2, warmup=1)
 
 log = logging.getLogger("bench_flux")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="flux_dev", help="a conf/model file of the flux family")
+    p.add_argument("--model", default="flux_dev", help="the conf/model file of the dev cases and the steps (flux family)")
+    p.add_argument("--schnell-model", default="flux_schnell", help="the conf/model file of the schnell case")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--sides", type=int, nargs="+", default=[1024, 512])
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--images", nargs="*", choices=IMAGE_VARIANTS,
+                   help="the variants that make each case's images, each one of --variants (default: those of "
+                        "compile and fp8+compile among them; none: no images, no diffusers calls)")
+    p.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    p.add_argument("--sides", type=int, nargs="*", default=[1024, 512], help="the steps' sides (none: no steps)")
+    p.add_argument("--batch", type=int, default=1, help="the steps' batch")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rows", type=int, default=4, help="images compared, fp8 against bf16 (0: none)")
-    p.add_argument("--image-side", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=28)
-    p.add_argument("--guidance", type=float, default=3.5)
+    p.add_argument("--warmup", type=int, default=3, help="warm-up calls of a step; passes before a capture")
     p.add_argument("--smoke", action="store_true", help="tiny_flux on the CPU, in seconds")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_flux.json")
-    p.add_argument("--report", type=Path, help="print the table of a saved JSON (a run stopped early: what it measured)")
+    p.add_argument("--report", type=Path, help="print the tables of a saved JSON (a run stopped early: what it measured)")
     args = p.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
+    if args.images is None:
+        args.images = [v for v in ("compile", FP8) if v in args.variants]
+    missing = [v for v in args.images if v not in args.variants]
+    if missing:
+        p.error(f"--images {missing}: not among --variants {args.variants}")
     return args
 
 
-def model_conf(name: str):
+def model_conf(name: str, overrides: tuple[str, ...] = ()):
     from omegaconf import OmegaConf
 
     from pipeline.config import ModelConfig
 
-    raw = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
+    raw = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
+                          OmegaConf.from_dotlist(list(overrides)))
     cfg = OmegaConf.to_object(raw)
     if cfg.family != "flux":
         raise SystemExit(f"--model {name}: family {cfg.family!r}, not flux")
@@ -100,7 +170,7 @@ def model_conf(name: str):
 def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> FluxAdapter:
     """`base` itself for eager and graph; otherwise a copy over a copy of its transformer, with the
     variant's kernels (what apply_kernels does for kernels.fp8 and kernels.compile, on that copy)."""
-    if variant in ("eager", "graph"):
+    if variant in UNCOMPILED:
         return base
     adapter = copy.copy(base)
     adapter.transformer = copy.deepcopy(base.transformer)
@@ -129,24 +199,74 @@ def step_row(adapter: FluxAdapter, variant: str, side: int, batch: int, device: 
             "first_pass_s": round(metrics.first_pass_s, 2), "graph": bool(metrics.active)}
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timing(case: Case, seconds: float, calls: int) -> dict:
+    return {"seconds": round(seconds, 3), "calls": calls, "s_per_image": round(seconds / case.rows, 4),
+            "images_per_s": round(case.rows / seconds, 4)}
+
+
 @torch.no_grad()
-def generate(adapter: FluxAdapter, args, device: torch.device) -> tuple[np.ndarray, float]:
-    """`--rows` images through the step scope under graphs (captured, and compiled, first) ->
-    (uint8 [n, H, W, 3], seconds per image from the noise to the images on the host)."""
-    n, side = args.rows, args.image_side
-    denoiser = Denoiser(adapter, "step", "default", args.steps,
-                        lambda fn, specs: BCGEngine(fn, specs, [n], device, warmup=args.warmup))
-    denoiser.capture_all([(side, side)])
-    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(n)]
-    cond = {name: t.unsqueeze(1) for name, t in adapter.encode(prompts).items()}  # [n, 1, ...]: no CFG
-    guidance = torch.full((n,), args.guidance, dtype=torch.float32, device=device)
+def diffusers_case(pipe, case: Case, embeddings: dict, device: torch.device) -> tuple[dict, np.ndarray]:
+    """FluxPipeline over the case's rows, called as pipeline.bench's baseline calls it -> (timing,
+    uint8 [rows, H, W, 3])."""
+    def call(rows: list[Item], steps: int) -> list[np.ndarray]:
+        images = pipe(**baseline_prompts(rows, embeddings, False), height=case.side, width=case.side,
+                      num_inference_steps=steps, guidance_scale=case.guidance,
+                      generator=[torch.Generator("cpu").manual_seed(it.seed) for it in rows], output_type="pil").images
+        return [np.asarray(im) for im in images]
+
+    batches = case.batches()
     start = time.perf_counter()
-    noise = batch_noise(list(range(100, 100 + n)), adapter.latent_shape(side, side), adapter.dtype, device)
-    latents = denoiser.denoise(noise, cond, guidance, side, side)
-    images = to_uint8(adapter.decode(latents)).cpu().numpy()
-    seconds = (time.perf_counter() - start) / n
+    call(batches[0], WARMUP_STEPS)
+    synchronize(device)
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    images = [im for rows in batches for im in call(rows, case.steps)]
+    synchronize(device)
+    result = timing(case, time.perf_counter() - start, len(batches))
+    return {**result, "warmup_s": round(warmup_s, 2)}, np.stack(images)
+
+
+@torch.no_grad()
+def generate(adapter: FluxAdapter, case: Case, embeddings: dict, device: torch.device,
+             warmup: int) -> tuple[dict, np.ndarray]:
+    """The case's rows through the step scope under graphs (captured, and compiled, first; then a
+    warm-up: the decode, or with graphs off one batch) -> (the timing after capture and warm-up and the
+    preparation's seconds, uint8 [rows, H, W, 3])."""
+    side = case.side
+    start = time.perf_counter()
+    denoiser = Denoiser(adapter, "step", "default", case.steps,
+                        lambda fn, specs: BCGEngine(fn, specs, [case.batch], device, warmup=warmup))
+    denoiser.capture_all([(side, side)])
+    captured_s = time.perf_counter() - start
+
+    def images_of(rows: list[Item]) -> np.ndarray:
+        cond = {name: torch.stack([embeddings[it.prompt][name] for it in rows]).unsqueeze(1)  # [n, 1, ...]: no CFG
+                for name in ("emb", "pooled")}
+        guidance = torch.full((len(rows),), case.guidance, dtype=torch.float32, device=device)
+        noise = batch_noise([it.seed for it in rows], adapter.latent_shape(side, side), adapter.dtype, device)
+        latents = denoiser.denoise(noise, cond, guidance, side, side)
+        return to_uint8(adapter.decode(latents)).cpu().numpy()
+
+    batches = case.batches()
+    metrics = denoiser.engine.metrics
+    if metrics.active:
+        adapter.decode(batch_noise([it.seed for it in batches[0]], adapter.latent_shape(side, side), adapter.dtype, device))
+    else:  # no graphs (the CPU): nothing ran before, and the first call is where torch.compile compiles
+        images_of(batches[0])
+    synchronize(device)
+    ready_s = time.perf_counter() - start
+    start = time.perf_counter()
+    images = np.concatenate([images_of(rows) for rows in batches])
+    result = timing(case, time.perf_counter() - start, len(batches))
     denoiser.engine.close()
-    return images, seconds
+    return {**result, "ready_s": round(ready_s, 2), "capture_all_s": round(captured_s, 2),
+            "first_pass_s": round(metrics.first_pass_s, 2), "warmup_s": round(metrics.warmup_s, 2),
+            "capture_s": round(metrics.capture_s, 2), "graphs": len(metrics.graphs)}, images
 
 
 def compare_images(ours: np.ndarray, reference: np.ndarray) -> dict:
@@ -158,6 +278,11 @@ def compare_images(ours: np.ndarray, reference: np.ndarray) -> dict:
             "max_levels": max(p["max_levels"] for p in per_image), "per_image": per_image}
 
 
+def level_difference(ours: np.ndarray, reference: np.ndarray) -> dict:
+    diff = np.abs(ours.astype(np.int16) - reference.astype(np.int16))
+    return {"images": len(diff), "max": int(diff.max()), "mean": round(float(diff.mean()), 4)}
+
+
 def peak_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / GIB, 2) if device.type == "cuda" else None
 
@@ -167,17 +292,108 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def release(adapter: FluxAdapter, base: FluxAdapter, device: torch.device) -> None:
+def release(adapter: FluxAdapter, base: FluxAdapter) -> None:
     if adapter is not base:
         adapter.transformer = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory()
 
 
 def save(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
+
+
+def run_cases(args) -> list[Case]:
+    """The cases this run makes images for (none without --images)."""
+    return [(SMOKE_CASES if args.smoke else CASES)[name] for name in args.cases] if args.images else []
+
+
+def recompile_budget(args) -> int:
+    """The compiled entries dynamo may keep on a block's forward in this run. It keeps them per code
+    object, so every compiled copy of the transformer (each variant, of each model) adds its own: per
+    (side, batch) that copy runs, two (the first single-stream block gets contiguous inputs from the
+    last double-stream block, every other one slices of the joint tensor before it: other strides)."""
+    cases = run_cases(args)
+    shapes = {"dev": {(side, args.batch) for side in args.sides}}
+    for case in cases:
+        shapes.setdefault(case.model, set()).add((case.side, case.batch))
+    compiled = [v for v in args.variants if v not in UNCOMPILED]
+    return ENTRIES_PER_SHAPE * len(compiled) * sum(len(s) for s in shapes.values())
+
+
+def model_stage(which: str, cases: list[Case], args, device: torch.device, results: dict) -> None:
+    """Build one model; its steps (dev) in the uncompiled variants, diffusers' cases, then each variant's
+    steps and cases. What it built is released when it returns."""
+    name = args.model if which == "dev" else args.schnell_model
+    overrides = TINY_SCHNELL if args.smoke and which == "schnell" else ()
+    sides = args.sides if which == "dev" else []
+    reset_peak(device)
+    start = time.perf_counter()
+    base = build_model(model_conf(name, overrides), device, torch.bfloat16)
+    results["models"][which] = {
+        "name": name, "overrides": list(overrides), "build_s": round(time.perf_counter() - start, 1),
+        "transformer_parameters_b": round(sum(p.numel() for p in base.transformer.parameters()) / 1e9, 2),
+        "model_gib": round(torch.cuda.memory_allocated(device) / GIB, 2) if device.type == "cuda" else None,
+        "peak_gib": peak_gib(device)}
+    save(results, args.out)
+    for variant in args.variants:
+        if variant in UNCOMPILED:
+            step_rows(base, variant, which, sides, args, device, results)
+    embeddings = prompt_embeddings(base, [it for case in cases for it in case.items()], False)
+    pipe = to_diffusers(base)
+    pipe.set_progress_bar_config(disable=True)
+    reference = {}
+    for case in cases:
+        reset_peak(device)
+        timed, reference[case.name] = diffusers_case(pipe, case, embeddings, device)
+        results["cases"][case.name] = {**asdict(case), "model_name": name, "diffusers": {**timed, "peak_gib": peak_gib(device)},
+                                       "variants": {}}
+        log.info("%s diffusers: %s", case.name, results["cases"][case.name]["diffusers"])
+        save(results, args.out)
+    del pipe
+    ours: dict[tuple[str, str], np.ndarray] = {}  # (case, variant) -> uint8 [rows, H, W, 3]
+    for variant in args.variants:
+        if variant not in UNCOMPILED or variant in args.images:
+            variant_stage(base, variant, which, sides, cases, embeddings, reference, ours, args, device, results)
+
+
+def step_rows(adapter: FluxAdapter, variant: str, which: str, sides: list[int], args, device: torch.device,
+              results: dict) -> None:
+    for side in sides:
+        reset_peak(device)
+        row = {"model": which, **step_row(adapter, variant, side, args.batch, device, args.warmup, args.iters),
+               "peak_gib": peak_gib(device)}
+        results["steps"].append(row)
+        log.info("%s", row)
+        save(results, args.out)
+
+
+def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int], cases: list[Case], embeddings: dict,
+                  reference: dict[str, np.ndarray], ours: dict, args, device: torch.device, results: dict) -> None:
+    """One variant on one model: a compiled one's steps, then its cases (with --images), each against
+    diffusers' `reference` images, fp8 against bf16 once both are in `ours`; then released."""
+    compiled = variant not in UNCOMPILED
+    since = compile_stats()
+    adapter = variant_adapter(base, variant, recompile_budget(args))
+    if compiled:
+        step_rows(adapter, variant, which, sides, args, device, results)
+        results["compiles"][f"{which}/{variant}"] = compile_stats(since)
+    bf16 = next((v for v in BF16 if v in args.images), None)
+    for case in cases if variant in args.images else []:
+        reset_peak(device)
+        timed, images = generate(adapter, case, embeddings, device, args.warmup)
+        ours[case.name, variant] = images
+        entry = results["cases"][case.name]
+        entry["variants"][variant] = {**timed, "peak_gib": peak_gib(device),
+                                      "speedup": round(entry["diffusers"]["s_per_image"] / timed["s_per_image"], 3),
+                                      "vs_diffusers": level_difference(images, reference[case.name])}
+        if variant in (bf16, FP8) and (case.name, bf16) in ours and (case.name, FP8) in ours:
+            entry["fp8_vs_bf16"] = {"bf16": bf16, **compare_images(ours[case.name, FP8], ours[case.name, bf16])}
+        if compiled:
+            results["compiles"][f"{which}/{variant}"] = compile_stats(since)
+        log.info("%s %s: %s", case.name, variant, entry["variants"][variant])
+        save(results, args.out)
+    release(adapter, base)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,36 +404,16 @@ def main(argv: list[str] | None = None) -> dict:
         return results
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = bench_device()
-    start_compile_workers(KernelsConfig(compile=True), device)  # they come up while the model is built
-    results: dict = {"environment": environment(device, args), "steps": [], "images": {}}
+    if any(v not in UNCOMPILED for v in args.variants):
+        start_compile_workers(KernelsConfig(compile=True), device)  # they come up while the model is built
+    results: dict = {"environment": environment(device, args), "models": {}, "steps": [], "cases": {}, "compiles": {}}
     start = time.perf_counter()
-    base = build_model(model_conf(args.model), device, torch.bfloat16)
-    results["build_s"] = round(time.perf_counter() - start, 1)
-    results["transformer_parameters_b"] = round(sum(p.numel() for p in base.transformer.parameters()) / 1e9, 2)
-    results["model_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2) if device.type == "cuda" else None
-    save(results, args.out)
-    shapes = len(args.sides) + 2
-    bf16_images = None
-    for variant in args.variants:
-        adapter = variant_adapter(base, variant, shapes)
-        for side in args.sides:
-            reset_peak(device)
-            row = step_row(adapter, variant, side, args.batch, device, args.warmup, args.iters)
-            row["peak_gib"] = peak_gib(device)
-            results["steps"].append(row)
-            log.info("%s", row)
-            save(results, args.out)
-        if args.rows and variant in ("graph", "fp8+compile"):
-            reset_peak(device)
-            images, seconds = generate(adapter, args, device)
-            results["images"][variant] = {"rows": args.rows, "side": args.image_side, "steps": args.steps,
-                                          "s_per_image": round(seconds, 3), "peak_gib": peak_gib(device)}
-            if variant == "graph":
-                bf16_images = images
-            elif bf16_images is not None:
-                results["images"]["fp8_vs_bf16"] = compare_images(images, bf16_images)
-            save(results, args.out)
-        release(adapter, base, device)
+    cases = run_cases(args)
+    for which in ("dev", "schnell"):
+        mine = [case for case in cases if case.model == which]
+        if mine or which == "dev" and args.sides:
+            model_stage(which, mine, args, device, results)
+            free_memory()
     results["wall_s"] = round(time.perf_counter() - start, 1)
     save(results, args.out)
     print(table(results))
@@ -225,26 +421,69 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def table(results: dict) -> str:
-    eager = {(r["side"], r["batch"]): r["ms"] for r in results["steps"] if r["variant"] == "eager"}
+def _x(value, fmt: str = "") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def step_table(steps: list[dict]) -> list[str]:
+    eager = {(r["side"], r["batch"]): r["ms"] for r in steps if r["variant"] == "eager"}
     lines = ["| variant | px | batch | ms/step | vs eager | first pass s | peak GiB |", "|---|---|---|---|---|---|---|"]
-    for r in results["steps"]:
+    for r in steps:
         base = eager.get((r["side"], r["batch"]))
         ratio = f"{base / r['ms']:.2f}x" if base else "-"
         lines.append(f"| {r['variant']} | {r['side']} | {r['batch']} | {r['ms']:.1f} | {ratio} | {r['first_pass_s']} | "
-                     f"{r['peak_gib']} |")
-    images = results["images"]
-    for variant in ("graph", "fp8+compile"):
-        if variant in images:
-            i = images[variant]
-            lines.append(f"images {variant}: {i['rows']} at {i['side']} px, {i['steps']} steps: {i['s_per_image']} s "
-                         f"per image, peak {i['peak_gib']} GiB")
-    if "fp8_vs_bf16" in images:
-        c = images["fp8_vs_bf16"]
-        lines.append(f"fp8 vs bf16 images: mean PSNR {c['mean_psnr_db']} dB, min {c['min_psnr_db']} dB, "
-                     f"worst difference {c['max_levels']} levels")
-    lines.append(f"model built in {results['build_s']} s ({results['transformer_parameters_b']} B transformer "
-                 f"parameters, {results['model_gib']} GiB); wall {results.get('wall_s', 'not finished')} s")
+                     f"{_x(r['peak_gib'])} |")
+    return lines
+
+
+def case_table(cases: dict) -> list[str]:
+    """One line per case: diffusers, the bf16 variant and fp8's speed-ups, and the image differences."""
+    lines = ["| case | px | batch | rows | steps | diffusers s/img | img/s | bf16 s/img | x | fp8 s/img | x | "
+             "fp8 vs bf16 PSNR mean / min dB | max lvl | bf16 vs diffusers max / mean lvl | peak GiB diffusers / bf16 / fp8 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bf16_names = set()
+    for name, c in cases.items():
+        d, variants, cmp = c["diffusers"], c["variants"], c.get("fp8_vs_bf16")
+        bf16_name = cmp["bf16"] if cmp else next((v for v in BF16 if v in variants), None)
+        bf16_names.add(bf16_name)
+        bf, fp8 = variants.get(bf16_name), variants.get(FP8)
+        cells = [name, c["side"], c["batch"], c["rows"], c["steps"], f"{d['s_per_image']:.3f}", f"{d['images_per_s']:.3f}"]
+        for v in (bf, fp8):
+            cells += [f"{v['s_per_image']:.3f}", f"{v['speedup']:.2f}x"] if v else ["-", "-"]
+        cells += [f"{cmp['mean_psnr_db']} / {cmp['min_psnr_db']}", cmp["max_levels"]] if cmp else ["-", "-"]
+        cells.append(f"{bf['vs_diffusers']['max']} / {bf['vs_diffusers']['mean']}" if bf else "-")
+        cells.append(" / ".join(_x(v and v["peak_gib"]) for v in (d, bf, fp8)))
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    named = sorted(n for n in bf16_names if n)
+    lines.append(f"bf16: the {' / '.join(named) or '-'} variant; fp8: {FP8}; x: diffusers' s/image / ours, this run")
+    return lines
+
+
+def variant_table(cases: dict) -> list[str]:
+    """One line per case and variant: speed, preparation (compile, warm-up, capture) and difference."""
+    lines = ["| case | variant | s/img | img/s | x | vs diffusers max / mean lvl | ready s | first pass s | "
+             "warm-up s | capture s | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in cases.items():
+        for variant, v in c["variants"].items():
+            lines.append(f"| {name} | {variant} | {v['s_per_image']:.3f} | {v['images_per_s']:.3f} | {v['speedup']:.2f}x | "
+                         f"{v['vs_diffusers']['max']} / {v['vs_diffusers']['mean']} | {v['ready_s']} | "
+                         f"{v['first_pass_s']} | {v['warmup_s']} | {v['capture_s']} | {_x(v['peak_gib'])} |")
+    return lines
+
+
+def table(results: dict) -> str:
+    lines = []
+    if results["steps"]:
+        lines += ["Steps", *step_table(results["steps"]), ""]
+    if results["cases"]:
+        lines += ["Cases", *case_table(results["cases"]), "", "Variants per case", *variant_table(results["cases"]), ""]
+    for which, m in results["models"].items():
+        lines.append(f"{which}: {m['name']} built in {m['build_s']} s ({m['transformer_parameters_b']} B transformer "
+                     f"parameters, {_x(m['model_gib'])} GiB)")
+    for name, c in results["compiles"].items():
+        lines.append(f"compiled {name}: {c['compiled_graphs']} graphs in {c['compile_s']} s ({c['cache_hits']} from "
+                     "inductor's cache)")
+    lines.append(f"wall {results.get('wall_s', 'not finished')} s")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """benchmarks/bench_flux.py on the CPU (tiny_flux, no graphs), run as a user runs it: every variant
-asked for is measured at every side, the images are made, the JSON is saved and its table printed.
-The compiled and float8 variants run too with `--smoke` alone (minutes on a CPU; not run here)."""
+asked for is measured at every side, each case asked for runs on both sides (diffusers' FluxPipeline and
+ours) on the same rows and seeds, the JSON is saved and its tables printed.
+The compiled and float8 variants run too with `--smoke` alone (a minute or more on a CPU; not run here)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,23 @@ import json
 from conftest import run_benchmark
 
 
-def test_smoke_run_measures_each_variant_and_saves_the_table(tmp_path):
+def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path):
     out = tmp_path / "flux.json"
-    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "graph", "--out", str(out))
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "graph", "--images", "graph",
+                         "--cases", "1024-b4", "schnell-1024-b1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [(r["variant"], r["side"]) for r in result["steps"]] == [("eager", 64), ("eager", 32), ("graph", 64), ("graph", 32)]
     assert all(r["ms"] > 0 for r in result["steps"])
-    assert result["images"]["graph"]["rows"] == 2 and "fp8_vs_bf16" not in result["images"]
-    assert "| graph | 64 | 1 |" in proc.stdout
+    assert set(result["models"]) == {"dev", "schnell"}
+    assert list(result["cases"]) == ["1024-b4", "schnell-1024-b1"]
+    for case in result["cases"].values():
+        ours = case["variants"]["graph"]
+        assert case["diffusers"]["s_per_image"] > 0 and ours["s_per_image"] > 0
+        assert ours["vs_diffusers"]["images"] == case["rows"]
+        # the same noise and embeddings on both sides: bf16 rounding apart, the same images
+        assert ours["vs_diffusers"]["max"] < 32
+        assert "fp8_vs_bf16" not in case
+    assert "| graph | 64 | 1 |" in proc.stdout and "| schnell-1024-b1 | 64 | 1 | 1 | 2 |" in proc.stdout
     again = run_benchmark("bench_flux.py", "--report", str(out))
-    assert again.returncode == 0 and "| eager | 32 | 1 |" in again.stdout
+    assert again.returncode == 0 and "| eager | 32 | 1 |" in again.stdout and "| 1024-b4 | graph |" in again.stdout
