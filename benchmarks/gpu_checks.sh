@@ -15,7 +15,10 @@
 #                                                # blocks compiled either way; fp8 excludes fuse_gelu)
 #   bash benchmarks/gpu_checks.sh flux           # the Flux cuda tests, then bench_flux.py: FLUX.1-dev's transformer step at
 #                                                # 1024 and 512 px, batch 1: eager, our graph, compiled blocks, compiled
-#                                                # + fp8; fp8 against bf16 images (PSNR), s/image, peak memory
+#                                                # + fp8; then diffusers' FluxPipeline against ours (compiled blocks, and
+#                                                # + fp8, under our graphs) in the same run: FLUX.1-dev 1024 px batch 1
+#                                                # and 4, 512 px batch 1, FLUX.1-schnell 1024 px batch 1: s/image, fp8
+#                                                # against bf16 images (PSNR), ours against diffusers', peak memory
 #   bash benchmarks/gpu_checks.sh kernels-1024   # bench_kernels.py at 1024 px, 8 prompts: a CFG step's ms and share of
 #                                                # the matmul rate per kernel variant, time by kernel category, top
 #                                                # kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others;
@@ -133,7 +136,7 @@ flux() {
   echo "== flux cuda tests"; rc $flux_tests_rc; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$BENCH_OUT/pytest_flux_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -1 "$BENCH_OUT/pytest_flux_cuda.log"
   rm -f "$BENCH_OUT/bench_flux.json"
   timeout -s KILL ${FLUX_LIMIT:-420} python3 benchmarks/bench_flux.py --out "$BENCH_OUT/bench_flux.json" > "$BENCH_OUT/bench_flux.log" 2>&1; flux_rc=$?
-  echo "== flux: FLUX.1-dev transformer step per variant, fp8 against bf16 images"; rc $flux_rc
+  echo "== flux: FLUX.1-dev transformer step per variant; FLUX.1-dev and schnell against diffusers' FluxPipeline"; rc $flux_rc
   [ -f "$BENCH_OUT/bench_flux.json" ] && python3 benchmarks/bench_flux.py --report "$BENCH_OUT/bench_flux.json" | cut -c1-300
   tail_if_failed $flux_rc "$BENCH_OUT/bench_flux.log"
 }
