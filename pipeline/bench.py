@@ -132,6 +132,7 @@ def comparison(baseline: dict, report: PartReport, ours_s: float) -> dict:
             "capture_s": engine.capture_s,
             "warmup_s": engine.warmup_s,
             "gpu_busy": None if report.gpu_busy is None else report.gpu_busy.fraction,
+            "gpu_memory": None if report.gpu_memory is None else asdict(report.gpu_memory),
             "kernels": report.kernels,
             "ladder": report.ladder,
             "scope": report.scope,
@@ -263,6 +264,15 @@ def saved_note(result: dict) -> str:
     return f", saved run {result['baseline_from']}" if "baseline_from" in result else ""
 
 
+def memory_line(memory: dict | None) -> str:
+    if memory is None:
+        return "GPU memory: - (not on CUDA)"
+    resident = "resident" if memory["text_encoders_resident"] else "released"
+    return (f"GPU memory: peak {memory['peak_allocated_gib']} GiB allocated ({memory['peak_reserved_gib']} GiB reserved); "
+            f"model {memory['model_gib']} GiB; as denoising starts {memory['denoise_allocated_gib']} GiB allocated "
+            f"({memory['denoise_reserved_gib']} GiB reserved), text encoders {resident}")
+
+
 def table(result: dict) -> str:
     b, o = result["baseline"], result["ours"]
     lines = [
@@ -275,6 +285,7 @@ def table(result: dict) -> str:
         f"ladder {o['ladder']}, scope {o['scope']}, kernels {o['kernels']}",
         f"stage seconds {o['stage_s']}; padded-row share {o['padded_row_share']:.1%}; graph pool {o['graph_pool_mib']} MiB; "
         f"capture {o['capture_s']} s (warm-up {o['warmup_s']} s); GPU busy {o['gpu_busy']}",
+        memory_line(o["gpu_memory"]),
         f"ours vs diffusers on the baseline's reference rows (the first of each resolution): {result['vs_baseline_pixels']}",
     ]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choice
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
 from pipeline.denoise import Denoiser, sampler_label
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
+from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               start_compile_workers, with_attention)
 from pipeline.fsutil import atomic_write_table
@@ -85,6 +86,7 @@ class Built:
     kernels: dict[str, Any]  # apply_kernels' report
     compiled_before: dict[str, Any]  # compile_stats() before the kernels were applied
     fields: dict[str, Any]  # job_fields: what every output row says about how it was made
+    memory: MemoryMarks  # the device memory of the model, and (step 13) as denoising starts
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,10 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         stats.startup.lap("prompts")
         stop.check()
 
-        # 13. Graphs for every resolution this shard runs, before its first batch.
+        # 13. Graphs for every resolution this shard runs, before its first batch; the device memory then.
         capture(built.denoiser, todo, cfg.bcg.capture)
         stats.startup.lap("graphs")
+        built.memory.denoise(built.adapter.holds_text_encoders)
         stop.check()
 
         # 14. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
@@ -262,9 +265,11 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
     """The device made current (CUDA is set up here, not before: a finished job never gets this far),
     the compile workers (they come up while the model loads), the model (unless the caller built
     it), its kernels (`kernels`), and its denoiser. `fields`: job_fields, which the built model
-    must agree with. `clock` laps the build and the kernels."""
+    must agree with. `clock` laps the build and the kernels. The job's device memory is counted
+    from the device's set-up on; the model's is marked once its kernels are applied."""
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
+    memory = MemoryMarks.start(setup.device)
     start_compile_workers(cfg.kernels, setup.device)
     adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype]),
                             cfg.sampler.true_cfg_scale)
@@ -275,8 +280,9 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
                             texts=manifest_texts(manifest))
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
+    memory.model()
     clock.lap("kernels")
-    return Built(adapter, denoiser, kernels, compiled_before, fields)
+    return Built(adapter, denoiser, kernels, compiled_before, fields, memory)
 
 
 def engine_factory(cfg: JobConfig, ladder: list[int], device: torch.device) -> Callable[..., BCGEngine]:
@@ -436,6 +442,7 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         writer_busy_s=generated.writer_busy_s,
         output=generated.output,
         gpu_busy=generated.gpu_busy,
+        gpu_memory=built.memory.report(),
         kernels={**built.kernels, "first_pass_s": round(engine.metrics.first_pass_s, 4),
                  **(compile_stats(since=built.compiled_before) if k.compile or k.compile_decoder else {})},
         ladder_auto=None if auto is None else {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},

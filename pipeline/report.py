@@ -64,6 +64,20 @@ class GpuBusyReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GpuMemory:
+    """The job's device memory in GiB (`pipeline.gpu_memory`): allocated is what tensors hold,
+    reserved what PyTorch's caching allocator holds (graph pools included). Peaks count from the
+    job's device set-up on, so what ran before in the process (+job=bench's baseline) is not in them."""
+
+    model_gib: float  # allocated once the model is built and its kernels applied: its weights, text encoders included
+    denoise_allocated_gib: float  # allocated as the first batch starts (prompts encoded, graphs captured)
+    denoise_reserved_gib: float  # reserved then: the weights that stay, the graph pool, the static buffers
+    peak_allocated_gib: float
+    peak_reserved_gib: float
+    text_encoders_resident: bool  # the model still held its text encoders then (false with model.offload_text_encoder)
+
+
+@dataclass(frozen=True, kw_only=True)
 class StartupTimes:
     """Seconds from the process's start to its first batch, by stage, in the order they run
     (`pipeline.startup`). A warm run (the job's compile cache filled by an earlier process) differs
@@ -107,6 +121,7 @@ class ShardEntry:
     per_resolution: dict[str, int]
     bcg: EngineReport
     startup_s: StartupTimes | None = None
+    gpu_memory: GpuMemory | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +151,7 @@ class Report:
     writer_busy_s: float
     output: OutputReport | None = None  # absent from reports written before it existed
     gpu_busy: GpuBusyReport | None  # None off CUDA
+    gpu_memory: GpuMemory | None = None  # None off CUDA (stats.json: the first shard's)
     kernels: dict[str, Any]  # what pipeline.kernels applied and observed (open-ended)
     ladder_auto: dict[str, Any] | None  # bcg.ladder=auto: the calibration, when this run made it
     versions: dict[str, str]

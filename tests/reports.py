@@ -6,7 +6,7 @@ from collections import Counter
 
 from bcg.metrics import EngineMetrics, EngineReport, GraphRecord
 from pipeline.merge import merge_stats
-from pipeline.report import GpuBusyReport, ImageCounts, PartReport, PromptCacheCounts, RunReport, ShardInfo
+from pipeline.report import GpuBusyReport, GpuMemory, ImageCounts, PartReport, PromptCacheCounts, RunReport, ShardInfo
 
 
 def engine(pool_bytes: int = 3 * 2**20, capture_s: float = 0.75) -> EngineReport:
@@ -16,6 +16,12 @@ def engine(pool_bytes: int = 3 * 2**20, capture_s: float = 0.75) -> EngineReport
     if pool_bytes:
         metrics.graphs["64x64-b4"] = GraphRecord([64, 64], 4, capture_s=capture_s, pool_bytes_added=pool_bytes, replays=40)
     return metrics.report()
+
+
+def gpu_memory(index: int = 0) -> GpuMemory:
+    """A shard's memory, its peak told apart by `index`; text encoders released."""
+    return GpuMemory(model_gib=12.5, denoise_allocated_gib=3.25, denoise_reserved_gib=4.0,
+                     peak_allocated_gib=13.0 + index, peak_reserved_gib=14.0 + index, text_encoders_resident=False)
 
 
 def part(index: int = 0, count: int = 1, *, ok: int = 12, ladder: tuple[int, ...] = (1, 2, 4, 8),
@@ -31,6 +37,7 @@ def part(index: int = 0, count: int = 1, *, ok: int = 12, ladder: tuple[int, ...
         device=f"cuda:{index}", model="tiny", prompt_cache=PromptCacheCounts(encoded=13, hits=11), writer_busy_s=0.5,
         gpu_busy=GpuBusyReport(fraction=0.93, between_batches=0.97, busy_s=2.325, device_span_s=2.4, generate_s=generate_s,
                                batches=5) if gpu else None,
+        gpu_memory=gpu_memory(index) if gpu else None,
         kernels={"attention": "auto", "compile": False, "fp8": False}, ladder_auto=None, versions={"python": "3.11.7"},
         config={"bcg": {"ladder": list(ladder)}}, shard=ShardInfo(index=index, count=count), started_at=started_at,
         ended_at=started_at + wall_s, bcg=engine(pool_bytes),

@@ -5,6 +5,7 @@ Run on a CUDA machine: `python -m pytest -m cuda -v`. Without CUDA every test he
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pyarrow.parquet as pq
@@ -13,7 +14,7 @@ import torch
 
 from bcg.buffers import pad_rows
 from bcg.engine import BCGEngine
-from conftest import cpu_job, model_config
+from conftest import cpu_job, model_config, rows, write_manifest
 from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.models import build_model
@@ -26,6 +27,9 @@ LADDER = [1, 2, 4, 8]
 # differently; measured on the H200, see docs/BENCHMARKS.md.
 FORWARD_VS_STEP_GPU_MAX_LEVELS = 8
 RESOLUTIONS = [(64, 64), (128, 64)]
+# The tiny model with a text encoder of 2 layers x 2 x 32 x 131072 weights (32 MiB in bf16), so that
+# its release shows in gpu_memory (GiB to 3 decimals) next to the tiny transformer and the graph pool.
+LARGE_TEXT_ENCODER = "model.arch.text_encoder.d_ff=131072"
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +268,21 @@ def test_forward_vs_step_within_the_documented_tolerance(scope_runs_gpu):
     worst, mean = max(x.max() for x in diffs), float(np.mean([x.mean() for x in diffs]))
     print(f"forward vs step, bf16 tiny demo: max {worst} levels, mean {mean:.4f}")
     assert worst <= FORWARD_VS_STEP_GPU_MAX_LEVELS and mean <= 0.5, (worst, mean)
+
+
+def test_offloaded_text_encoders_are_not_resident_while_denoising(tmp_path):
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 0), ("b", 64, 64, 1), ("c", 128, 64, 2)))
+    memory = {}
+    for offload in (True, False):
+        gc.collect()  # earlier tests' garbage is not freed between this job's marks
+        out = tmp_path / f"offload-{offload}"
+        run(cpu_job(manifest, out, "runtime.device=cuda", "precision=bf16", "sampler.steps=2", LARGE_TEXT_ENCODER,
+                    f"model.offload_text_encoder={offload}"))
+        memory[offload] = json.loads((out / "stats.json").read_text())["gpu_memory"]
+    offloaded, resident = memory[True], memory[False]
+    assert offloaded["text_encoders_resident"] is False and resident["text_encoders_resident"] is True
+    assert offloaded["denoise_allocated_gib"] < offloaded["model_gib"]  # the encoders left, the graphs came
+    assert offloaded["denoise_allocated_gib"] < resident["denoise_allocated_gib"]  # the same job, less the encoders
+    for m in (offloaded, resident):
+        assert m["peak_allocated_gib"] >= max(m["model_gib"], m["denoise_allocated_gib"]), m
+        assert m["peak_reserved_gib"] >= m["denoise_reserved_gib"] >= m["denoise_allocated_gib"], m

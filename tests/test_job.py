@@ -55,6 +55,7 @@ def test_demo_manifest_gives_every_image_row_and_stat(demo_run):
     assert stats["batches"] == sum(stats["batches_per_bucket"].values()) == len({r["batch_key"] for r in shard_rows})
     assert stats["padded_rows"] == sum(r["bucket"] for r in {r["batch_key"]: r for r in shard_rows}.values()) - 12
     assert stats["precision"] == {"dtype": "fp32", "tf32": False, "cudnn_benchmark": False}
+    assert stats["gpu_memory"] is None and stats["shards"][0]["gpu_memory"] is None  # no device memory off CUDA
     assert stats["ladder"] == [1, 2, 4, 8] and stats["bcg"]["active"] is False
     assert (out / "_SUCCESS").exists()
     assert not [p for p in out.rglob("*") if p.name.startswith(".tmp-")]

@@ -265,6 +265,15 @@ def test_offload_encodes_the_plan_then_releases_the_text_encoder(tmp_path):
         cache.get(["a prompt not in the plan"])
 
 
+@pytest.mark.parametrize("name", list(CHEAP))
+def test_an_adapter_says_whether_it_holds_text_encoders(name):
+    """stats.json's gpu_memory.text_encoders_resident: true until the encoders are released; DiT has none."""
+    adapter = build_model(model_cfg(f"model={name}"), CPU, torch.float32)
+    assert adapter.holds_text_encoders == (adapter.family != "dit")
+    adapter.release_text_encoders()
+    assert not adapter.holds_text_encoders
+
+
 def test_offload_gives_the_same_images(tmp_path):
     rows = [{"id": f"i{k}", "prompt": f"prompt {k % 2}", "width": 64, "height": 64, "seed": k} for k in range(3)]
     manifest = write_manifest(tmp_path / "m.parquet", rows)

@@ -10,8 +10,8 @@ import pytest
 
 from bcg.metrics import EngineReport, EngineTotals
 from pipeline.merge import PARTS_DIR, merge, merge_stats
-from pipeline.report import SCHEMA_VERSION, PartReport, ReportError
-from reports import part
+from pipeline.report import SCHEMA_VERSION, PartReport, ReportError, RunReport
+from reports import gpu_memory, part
 
 
 def two_shards() -> list[PartReport]:
@@ -22,7 +22,7 @@ def two_shards() -> list[PartReport]:
 
 def test_reports_round_trip_through_json_with_the_schema_first():
     one, merged = part(), merge_stats(two_shards(), Counter(ok=12))
-    for report in (one, merged):
+    for report in (one, merged, part(gpu=False)):
         text = report.to_json()
         assert next(iter(json.loads(text))) == "schema" and json.loads(text)["schema"] == SCHEMA_VERSION
         assert type(report).from_dict(json.loads(text), "test") == report
@@ -76,6 +76,26 @@ def test_merge_of_two_parts_sums_their_counts_over_the_span_of_both():
                                       padded_rows=0, active=True, pool_bytes_max=5 * 2**20)
     assert [(s.shard.index, s.device, s.images, s.bcg) for s in merged.shards] == [
         (p.shard.index, p.device, p.images, p.bcg) for p in (a, b)]
+
+
+def test_gpu_memory_is_each_shards_own_and_the_first_shards_at_run_level():
+    a, b = two_shards()
+    merged = merge_stats([a, b], Counter(ok=12))
+    assert [s.gpu_memory for s in merged.shards] == [gpu_memory(0), gpu_memory(1)]
+    assert merged.gpu_memory == gpu_memory(0)
+    text = json.loads(merged.to_json())
+    assert text["gpu_memory"]["peak_allocated_gib"] == 13.0 and text["shards"][1]["gpu_memory"]["peak_allocated_gib"] == 14.0
+    off = merge_stats([part(gpu=False)], Counter(ok=12))
+    assert off.gpu_memory is None and off.shards[0].gpu_memory is None and json.loads(off.to_json())["gpu_memory"] is None
+
+
+def test_a_report_written_before_gpu_memory_existed_reads_as_none():
+    written = json.loads(merge_stats(two_shards(), Counter(ok=12)).to_json())
+    del written["gpu_memory"]
+    for shard in written["shards"]:
+        del shard["gpu_memory"]
+    old = RunReport.from_dict(written, "old stats.json")
+    assert old.gpu_memory is None and [s.gpu_memory for s in old.shards] == [None, None]
 
 
 def test_merge_refuses_a_part_written_before_the_schema_naming_it(tmp_path):

@@ -94,7 +94,21 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     assert result["speedup_end_to_end"] > 0
     pixels = result["vs_baseline_pixels"]
     assert pixels["images"] == 4 + 2 and pixels["max"] <= 2  # fp32 on CPU: the parity tests' bound
+    assert result["ours"]["gpu_memory"] is None  # on the CPU
     assert json.loads((tmp_path / "out" / BENCH).read_text()) == result
+
+
+def test_bench_table_shows_our_gpu_memory():
+    from pipeline.bench import comparison, table
+    from reports import part
+
+    baseline = {"pipeline": "PixArtSigmaPipeline", "images": 12, "calls": 3, "batch": 4, "seconds": 6.0,
+                "images_per_s": 2.0, "prompts": "text"}
+    result = {"rows": 12, **comparison(baseline, part(), 3.0), "vs_baseline_pixels": {"images": 0}}
+    assert result["ours"]["gpu_memory"]["peak_allocated_gib"] == 13.0
+    lines = table(result).splitlines()
+    assert "GPU memory: peak 13.0 GiB allocated (14.0 GiB reserved); model 12.5 GiB; as denoising starts 3.25 GiB " \
+           "allocated (4.0 GiB reserved), text encoders released" in lines
 
 
 def write_output(out, images, layout):

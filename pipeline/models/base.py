@@ -75,6 +75,11 @@ class Adapter(Protocol):
     def release_text_encoders(self) -> None:
         """Free the text encoders' memory (model.offload_text_encoder); `encode` raises afterwards."""
 
+    @property
+    def holds_text_encoders(self) -> bool:
+        """Whether any text encoder module is still held: False once `release_text_encoders` ran,
+        and for a family without one (DiT)."""
+
 
 class Family(Protocol):
     """The module-level functions of a family module."""

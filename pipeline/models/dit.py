@@ -93,6 +93,8 @@ class DiTAdapter(TransformerVAE):
     def release_text_encoders(self) -> None:
         """No text encoder: nothing to free."""
 
+    holds_text_encoders = False
+
 
 # ---- class names -----------------------------------------------------------------------------
 

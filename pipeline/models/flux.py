@@ -164,6 +164,10 @@ class FluxAdapter(TransformerVAE):
             self.text_encoders[name] = None
         free_memory()
 
+    @property
+    def holds_text_encoders(self) -> bool:
+        return any(m is not None for m in self.text_encoders.values())
+
 
 def position_ids(h: int, w: int, text_length: int, device: torch.device, dtype: torch.dtype):
     """(txt_ids [L, 3] zeros, img_ids [h/2 * w/2, 3]: (0, row, column) of each 2x2 patch, row-major),

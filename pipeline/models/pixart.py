@@ -180,6 +180,10 @@ class PixArtAdapter(TransformerVAE):
         self.text_encoder = None
         free_memory()
 
+    @property
+    def holds_text_encoders(self) -> bool:
+        return self.text_encoder is not None
+
 
 # ---- the family functions (pipeline.models.base.Family) --------------------------------------
 

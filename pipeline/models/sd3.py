@@ -131,6 +131,10 @@ class SD3Adapter(TransformerVAE):
         self.text_encoders = {name: None for name in self.text_encoders}
         free_memory()
 
+    @property
+    def holds_text_encoders(self) -> bool:
+        return any(m is not None for m in self.text_encoders.values())
+
 
 # ---- the family functions (pipeline.models.base.Family) --------------------------------------
 

@@ -1,0 +1,64 @@
+"""The job's device memory at two marks, and its peaks: stats.json's `gpu_memory`
+(`pipeline.report.GpuMemory`). Off CUDA every mark does nothing and the report is None."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.report import GpuMemory
+
+GIB = 2**30
+
+
+def gib(nbytes: int) -> float:
+    return round(nbytes / GIB, 3)
+
+
+@dataclass
+class MemoryMarks:
+    """Made when the job sets up its device: on CUDA the cached blocks nobody uses are returned and
+    the peak statistics reset there, so the reserved figures and the peaks are this job's, not those
+    of what ran before in the process. `model` then marks the weights, `denoise` the moment before
+    the first batch; `report` adds the peaks."""
+
+    device: torch.device | None  # None off CUDA
+    model_bytes: int | None = None
+    denoise_allocated: int | None = None
+    denoise_reserved: int | None = None
+    text_encoders_resident: bool | None = None
+
+    @classmethod
+    def start(cls, device: torch.device) -> "MemoryMarks":
+        if device.type != "cuda":
+            return cls(None)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return cls(device)
+
+    def model(self) -> None:
+        """The model is built and its kernels applied: allocated bytes are its weights."""
+        if self.device is not None:
+            self.model_bytes = torch.cuda.memory_allocated(self.device)
+
+    def denoise(self, text_encoders_resident: bool) -> None:
+        """The first batch is next: the prompts are encoded (with model.offload_text_encoder the text
+        encoders released) and the graphs captured."""
+        if self.device is not None:
+            self.denoise_allocated = torch.cuda.memory_allocated(self.device)
+            self.denoise_reserved = torch.cuda.memory_reserved(self.device)
+            self.text_encoders_resident = text_encoders_resident
+
+    def report(self) -> GpuMemory | None:
+        if self.device is None:
+            return None
+        assert self.model_bytes is not None and self.denoise_allocated is not None, "report before both marks"
+        return GpuMemory(
+            model_gib=gib(self.model_bytes),
+            denoise_allocated_gib=gib(self.denoise_allocated),
+            denoise_reserved_gib=gib(self.denoise_reserved),
+            peak_allocated_gib=gib(torch.cuda.max_memory_allocated(self.device)),
+            peak_reserved_gib=gib(torch.cuda.max_memory_reserved(self.device)),
+            text_encoders_resident=self.text_encoders_resident,
+        )
