@@ -83,6 +83,7 @@ class BCGEngine:
         self.pool_limit_gib = pool_limit_gib
         self.pool_margin = pool_margin
         self.metrics = EngineMetrics()
+        self._peaks_seen = (0, 0)  # (allocated, reserved) peaks before this engine reset CUDA's peak statistics
         self.specs: dict[ShapeKey, dict[str, InputSpec]] = {}
         self.static: dict[ShapeKey, StaticInputs] = {}
         self.graphs: dict[tuple[ShapeKey, int], Graph] = {}
@@ -162,6 +163,7 @@ class BCGEngine:
                     self.metrics.first_pass_s += time.perf_counter() - start
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+            self._peaks_seen = self.peak_memory()
             torch.cuda.reset_peak_memory_stats(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
             allocated = torch.cuda.memory_allocated(self.device)
@@ -174,6 +176,15 @@ class BCGEngine:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         out_bytes = nbytes(out)
         return GraphNeed(key, bucket, peak_bytes=max(peak, out_bytes), output_bytes=out_bytes)
+
+    def peak_memory(self) -> tuple[int, int]:
+        """(allocated, reserved) peak bytes of the device so far, CUDA's own peak statistics taken
+        with the peaks they held before this engine's measurements reset them (each pass's need is
+        measured from a reset)."""
+        if self.device.type != "cuda":
+            return (0, 0)
+        return (max(self._peaks_seen[0], torch.cuda.max_memory_allocated(self.device)),
+                max(self._peaks_seen[1], torch.cuda.max_memory_reserved(self.device)))
 
     @torch.no_grad()
     def _capture(self, key: ShapeKey, bucket: int) -> None:

@@ -16,9 +16,8 @@ job's, <output.dir>/.cache/inductor), so no run loads what another job compiled:
 - with `--timed`: two more jobs (`timed-a`, `timed-b`) under kernels.compile_tuning=timed
   kernels.compile_mode=coordinate-descent, whose images and tuned block sizes (the `.best_config`
   files inductor writes next to each kernel in the cache) are compared.
-Per run: the command's seconds, the seconds from the process's launch to its first committed batch
-(the first shard file it wrote), stats.json's start-up stages (`startup_s`) and compile counts, and
-images/s. Then the images of `warm` (the resumed job) and of `shards` against `cold`, byte for byte
+Per run: the command's seconds, stats.json's start-up stages (`startup_s`, from the process's start
+as Linux records it, to the first committed batch: `to_first_commit`), compile counts and images/s. Then the images of `warm` (the resumed job) and of `shards` against `cold`, byte for byte
 (pipeline.compare). Saves JSON after every run and comparison (the timed runs come last); prints a
 table.
 """
@@ -42,7 +41,6 @@ from pipeline.kernels.compile import JOB_CACHE
 from pipeline.merge import PARTS_DIR, STATS
 from pipeline.report import PartReport
 from pipeline.stats import STOP_AFTER_BATCHES
-from pipeline.writer import SHARDS_DIR
 
 TIMED = ("kernels.compile_tuning=timed", "kernels.compile_mode=coordinate-descent")
 STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")
@@ -55,13 +53,6 @@ def launch(out: Path, overrides: list[str], env: dict[str, str] | None = None) -
     return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT), started
 
 
-def first_commit_s(out: Path, started: float) -> float | None:
-    """The launch to the first batch this process committed (the mtime of the first shard file
-    written after it started; a shard file appears whole, renamed into place)."""
-    times = [p.stat().st_mtime for p in (out / SHARDS_DIR).glob("*.parquet") if p.stat().st_mtime >= started]
-    return round(min(times) - started, 2) if times else None
-
-
 def run_figures(out: Path, code: int, command_s: float, started: float) -> list[dict]:
     """One row per part this run wrote (a shard each)."""
     rows = []
@@ -72,12 +63,12 @@ def run_figures(out: Path, code: int, command_s: float, started: float) -> list[
         k = part.kernels
         rows.append({
             "shard": part.shard.index, "exit": code, "command_s": round(command_s, 2),
-            "to_first_commit_s": first_commit_s(out, started), "startup_s": part.startup_s and vars(part.startup_s),
+            "to_first_commit_s": part.startup_s and part.startup_s.to_first_commit, "startup_s": part.startup_s and vars(part.startup_s),
             "generated": part.images.generated, "images_per_s": part.images_per_s, "wall_s": part.wall_s,
             "compile_s": k.get("compile_s"), "cache_hits": k.get("cache_hits"), "cache_misses": k.get("cache_misses"),
             "tuning_benchmarks": k.get("tuning_benchmarks"), "reproducible": k.get("reproducible"),
         })
-    return rows or [{"exit": code, "command_s": round(command_s, 2), "to_first_commit_s": first_commit_s(out, started)}]
+    return rows or [{"exit": code, "command_s": round(command_s, 2)}]
 
 
 def run(name: str, out: Path, overrides: list[str], limit: float, shards: int = 1, env: dict | None = None) -> list[dict]:

@@ -50,7 +50,9 @@ class MemoryMarks:
             self.denoise_reserved = torch.cuda.memory_reserved(self.device)
             self.text_encoders_resident = text_encoders_resident
 
-    def report(self) -> GpuMemory | None:
+    def report(self, peaks: tuple[int, int]) -> GpuMemory | None:
+        """`peaks`: the device's (allocated, reserved) peaks, `BCGEngine.peak_memory` (its capture
+        resets CUDA's peak statistics and keeps what they held)."""
         if self.device is None:
             return None
         assert self.model_bytes is not None and self.denoise_allocated is not None, "report before both marks"
@@ -58,7 +60,7 @@ class MemoryMarks:
             model_gib=gib(self.model_bytes),
             denoise_allocated_gib=gib(self.denoise_allocated),
             denoise_reserved_gib=gib(self.denoise_reserved),
-            peak_allocated_gib=gib(torch.cuda.max_memory_allocated(self.device)),
-            peak_reserved_gib=gib(torch.cuda.max_memory_reserved(self.device)),
+            peak_allocated_gib=gib(peaks[0]),
+            peak_reserved_gib=gib(peaks[1]),
             text_encoders_resident=self.text_encoders_resident,
         )

@@ -95,6 +95,7 @@ class Generated:
     writer_busy_s: float
     gpu_busy: GpuBusyReport | None
     output: OutputReport  # what the writer wrote
+    first_commit_at: float | None  # perf_counter when the first batch was committed (None: none was)
 
 
 @job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
@@ -420,7 +421,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
     generate_s = time.perf_counter() - stats.generate_started
     written = OutputReport(layout=output.layout, shard_files=writer.assembler.shard_files,
                            bytes_per_format=dict(sorted(writer.bytes_per_format.items())))
-    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s), written)
+    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s), written, writer.first_commit_at)
 
 
 def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, todo: list[Batch], invalid: int,
@@ -442,13 +443,14 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         writer_busy_s=generated.writer_busy_s,
         output=generated.output,
         gpu_busy=generated.gpu_busy,
-        gpu_memory=built.memory.report(),
+        gpu_memory=built.memory.report(engine.peak_memory()),
         kernels={**built.kernels, "first_pass_s": round(engine.metrics.first_pass_s, 4),
                  **(compile_stats(since=built.compiled_before) if k.compile or k.compile_decoder else {})},
         ladder_auto=None if auto is None else {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
         versions=library_versions(),
         config=resolved_config,
-        startup_s=stats.startup.times(engine.metrics.warmup_s, stats.first_batch_at, stats.generate_started),
+        startup_s=stats.startup.times(engine.metrics.warmup_s, stats.first_batch_at, stats.generate_started,
+                                      generated.first_commit_at),
     )
 
 

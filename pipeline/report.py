@@ -96,6 +96,7 @@ class StartupTimes:
     capture: float  # CUDA graph capture (and its static buffers)
     first_batch: float | None  # first batch queued to its images on the host (then written); None: no batch
     total: float | None  # process start to the first batch's images; None without `imports` or a batch
+    to_first_commit: float | None = None  # process start to the first batch committed (its images and rows written)
 
 
 @dataclass(frozen=True)

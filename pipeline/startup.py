@@ -47,15 +47,20 @@ class StartupClock:
         self.laps[stage] = self.laps.get(stage, 0.0) + now - (self.started if self.last is None else self.last)
         self.last = now
 
-    def times(self, warmup_s: float, first_batch_at: float | None, generate_started: float | None) -> StartupTimes:
+    def times(self, warmup_s: float, first_batch_at: float | None, generate_started: float | None,
+              first_commit_at: float | None = None) -> StartupTimes:
         """The laps as stats.json reports them. The graphs lap splits into the engine's warm-up
         passes (`warmup_s`, its metrics) and the capture; `first_batch_at`: when the first batch's
-        images reached the host (perf_counter), None when none ran."""
+        images reached the host, `first_commit_at` when it was committed (written where a resumed job
+        finds it) (perf_counter), None when none ran."""
         lap = {stage: self.laps.get(stage, 0.0) for stage in STAGES}
         warmup = min(warmup_s, lap["graphs"])
         first = None if first_batch_at is None or generate_started is None else first_batch_at - generate_started
         total = None if first is None or self.before_job is None else self.before_job + first_batch_at - self.started
+        committed = None if first_commit_at is None or self.before_job is None \
+            else self.before_job + first_commit_at - self.started
         r = lambda seconds: None if seconds is None else round(seconds, 3)  # noqa: E731
         return StartupTimes(imports=r(self.before_job), prepare=r(lap["prepare"]), build=r(lap["build"]),
                             kernels=r(lap["kernels"]), calibrate=r(lap["calibrate"]), prompts=r(lap["prompts"]),
-                            warmup=r(warmup), capture=r(lap["graphs"] - warmup), first_batch=r(first), total=r(total))
+                            warmup=r(warmup), capture=r(lap["graphs"] - warmup), first_batch=r(first), total=r(total),
+                            to_first_commit=r(committed))

@@ -74,6 +74,7 @@ class Writer:
         self.output = output
         self.busy_s = 0.0
         self.bytes_per_format: Counter = Counter()  # encoded image bytes this run wrote
+        self.first_commit_at: float | None = None  # perf_counter when this run's first batch was committed
         self.error: BaseException | None = None  # writing failed
         self.failure: BaseException | None = None  # resolving a batch failed (a device error)
         self.assembler = Assembler(self.out_dir, output, groups)
@@ -134,6 +135,8 @@ class Writer:
         entry = entry_of(result.key, result.rows, encoding.format)
         stage(self.out_dir, layout, pa.Table.from_pylist(result.rows, schema=self.output.schema), entry)
         self.bytes_per_format[encoding.format] += entry.bytes
+        if self.first_commit_at is None:
+            self.first_commit_at = time.perf_counter()
         self.assembler.committed(entry)
 
 

@@ -281,7 +281,6 @@ def test_offloaded_text_encoders_are_not_resident_while_denoising(tmp_path):
         memory[offload] = json.loads((out / "stats.json").read_text())["gpu_memory"]
     offloaded, resident = memory[True], memory[False]
     assert offloaded["text_encoders_resident"] is False and resident["text_encoders_resident"] is True
-    assert offloaded["denoise_allocated_gib"] < offloaded["model_gib"]  # the encoders left, the graphs came
     assert offloaded["denoise_allocated_gib"] < resident["denoise_allocated_gib"]  # the same job, less the encoders
     for m in (offloaded, resident):
         assert m["peak_allocated_gib"] >= max(m["model_gib"], m["denoise_allocated_gib"]), m

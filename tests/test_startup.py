@@ -80,11 +80,12 @@ def test_stats_json_splits_start_up_into_stages(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", SIZES)
     report = run(cpu_job(manifest, tmp_path / "out", *SMALL))
     startup = stats(tmp_path / "out")["startup_s"]
-    assert list(startup) == list(STAGES) and startup == report["startup_s"]
+    assert list(startup) == [*STAGES, "to_first_commit"] and startup == report["startup_s"]
     assert all(startup[stage] >= 0 for stage in STAGES)
     assert startup["imports"] > 0 and startup["first_batch"] > 0  # this test process started before the job
     job_part = sum(startup[stage] for stage in STAGES[1:-1])
     assert startup["total"] == pytest.approx(startup["imports"] + job_part, abs=0.05)
+    assert startup["to_first_commit"] >= startup["total"]  # its images, then its rows and files written
     assert job_part <= report["wall_s"]
     assert stats(tmp_path / "out")["shards"][0]["startup_s"] == startup
 
