@@ -60,6 +60,19 @@ COMPILE_OPTIONS = ("static", "blocks", "autotune", "tune")
 MODES = {"autotune": "max-autotune-no-cudagraphs", "tune": "coordinate-descent"}
 
 
+def asked_variants(names: list[str]) -> dict[str, KernelsConfig]:
+    """Every variant's KernelsConfig; SystemExit naming every mistyped one at once."""
+    asked, mistakes = {}, []
+    for name in names:
+        try:
+            asked[name] = variant_kernels(name)
+        except SystemExit as err:
+            mistakes.append(str(err))
+    if mistakes:
+        raise SystemExit("\n".join(mistakes))
+    return asked
+
+
 def variant_kernels(name: str) -> KernelsConfig:
     """'cudnn+fuse+compile+static' -> the KernelsConfig it names ('-' works as '+': cudnn+compile-static)."""
     attention, *options = name.replace("-", "+").split("+")
@@ -366,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
     args = p.parse_args(argv)
-    asked = {name: variant_kernels(name) for name in args.variants}  # a mistyped variant stops here, before any GPU work
+    asked = asked_variants(args.variants)  # mistyped variants stop the run here, before any GPU work
     device = bench_device()
     smoke = args.smoke or device.type != "cuda"
     side, bucket = (64, 2) if smoke else (args.side, args.bucket)

@@ -4,6 +4,8 @@ change of kernels is a change of settings for resume."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import os
 
@@ -173,6 +175,20 @@ def test_fp8_is_offered_for_pixart_and_flux_with_compile():
         check_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), family)
     with pytest.raises(UserError, match=r"kernels.fp8=true: .*model families \['pixart', 'flux'\], not 'sd3'"):
         check_kernels(KernelsConfig(fp8=True), "sd3")
+
+
+def test_a_family_refusal_names_every_setting_and_the_whole_fix():
+    """kernels=fast and +job=bench's text trimming are PixArt's: with Flux one message names both
+    and the compile scope their removal then needs, and that one change passes."""
+    fast = KernelsConfig(attention="cudnn", compile=True, compile_scope="norms", fuse_residual=True,
+                         trim_text_padding=True)
+    with pytest.raises(UserError) as refused:
+        check_kernels(fast, "flux")
+    message = str(refused.value)
+    assert "kernels.fuse_residual=true" in message and "kernels.trim_text_padding=true" in message
+    fix = message.rsplit("; set ", 1)[1]
+    assert fix == "kernels.fuse_residual=false kernels.trim_text_padding=false kernels.compile_scope=blocks (or model)"
+    check_kernels(replace(fast, fuse_residual=False, trim_text_padding=False, compile_scope="blocks"), "flux")
 
 
 def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):

@@ -19,7 +19,7 @@ changes in the process (dynamo's limits, the cache directory) is put back when i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -116,16 +116,33 @@ def check_kernels(kernels: KernelsConfig, family: str | None = None, device: tor
             raise UserError(f"{keys} needs kernels.{needed.key}: {why.format_map(vars(kernels))}; "
                             f"set kernels.{needed.key}, or {instead}")
     if family is not None:
-        for option, (families, why) in SUPPORTED_FAMILIES.items():
-            if option.on(kernels) and family not in families:
-                raise UserError(f"kernels.{option.key}: {why.format(families=list(families), family=family)}; "
-                                f"set {option.off}")
+        refusal = family_refusal(kernels, family)
+        if refusal:
+            raise UserError(refusal)
     if device is not None and torch.device(device).type != "cuda":
         for option, why in NEEDS_CUDA.items():
             if option.on(kernels):
                 raise UserError(f"kernels.{option.key} needs CUDA: {why}; set {option.off}")
     for check in CHECKS:
         check(kernels, device)
+
+
+def family_refusal(kernels: KernelsConfig, family: str) -> str | None:
+    """Every setting this family cannot use, in one message, with the whole fix: each one's `off`,
+    and what turning the switches off would then need (kernels=fast's compile_scope=norms serves
+    fuse_residual only), so that one change of the command runs."""
+    refused = [(option, families, why) for option, (families, why) in SUPPORTED_FAMILIES.items()
+               if option.on(kernels) and family not in families]
+    if not refused:
+        return None
+    reasons = "; ".join(f"kernels.{option.key}: {why.format(families=list(families), family=family)}"
+                        for option, families, why in refused)
+    fixes = [option.off for option, _, _ in refused]
+    switched_off = replace(kernels, **{option.key.removesuffix("=true"): False for option, _, _ in refused
+                                       if option.key.endswith("=true")})
+    fixes += [together[0].off for together, needed, _ in REQUIRES
+              if all(option.on(switched_off) for option in together) and not needed.on(switched_off)]
+    return f"{reasons}; set {' '.join(fixes)}"
 
 
 def output_kernels(kernels: KernelsConfig) -> dict:
