@@ -114,7 +114,7 @@ def test_settings_that_would_change_the_fused_block_are_refused(kernels, match):
 
 
 def test_other_models_and_changed_blocks_are_refused_by_name():
-    with pytest.raises(UserError, match=r"PixArt's \(model families \['pixart'\]\), not 'sd3'"):
+    with pytest.raises(UserError, match=r"PixArt's \(model families \['pixart'\]\); this model is 'sd3'"):
         check_kernels(KernelsConfig(fuse_residual=True), "sd3")
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match="transformer_blocks.0 has norm_type 'ada_norm_zero'"):
