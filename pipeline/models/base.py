@@ -164,6 +164,43 @@ class TransformerVAE:
         return (self.latent_channels, height // f, width // f)
 
 
+class TextEncodedVAE(TransformerVAE):
+    """A TransformerVAE conditioned by named text encoders and their tokenizers, CLIP's first (SD3:
+    two CLIPs and T5; Flux: CLIP-L and T5). `encode` pads each CLIP's prompts to the first
+    tokenizer's model_max_length, as diffusers does, and T5's to `max_sequence_length`."""
+
+    MAX_SEQUENCE_LENGTH: int  # the family's default T5 tokens per prompt (model.max_sequence_length null)
+
+    def __init__(self, name: str, transformer: torch.nn.Module, vae: torch.nn.Module,
+                 text_encoders: dict[str, torch.nn.Module | None], tokenizers: dict[str, Any], scheduler_class: str,
+                 scheduler_config: dict[str, Any], max_sequence_length: int | None, max_side: int, pipeline: str):
+        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side)
+        self.text_encoders = dict(text_encoders)
+        self.tokenizers = dict(tokenizers)
+        self.max_sequence_length = max_sequence_length or self.MAX_SEQUENCE_LENGTH
+        self.clip_length = self.tokenizers["tokenizer"].model_max_length
+
+    @classmethod
+    def built(cls, name: str, source: Any, cfg: Any, modules: dict[str, torch.nn.Module], encoders: tuple[str, ...],
+              tokenizers: dict[str, Any], max_side: int) -> "TextEncodedVAE":
+        """The adapter over a family build's modules (`source`: its `Source`, `cfg`: the ModelConfig;
+        an encoder `modules` lacks is None)."""
+        scheduler_class, scheduler_config = source.scheduler
+        return cls(name, modules["transformer"], modules["vae"], {e: modules.get(e) for e in encoders}, tokenizers,
+                   scheduler_class, scheduler_config, cfg.max_sequence_length, max_side, source.pipeline)
+
+    def release_text_encoders(self) -> None:
+        """In place, so that a copy over the same modules (Flux's true CFG) and the adapter it came
+        from both let go of them."""
+        for name in self.text_encoders:
+            self.text_encoders[name] = None
+        free_memory()
+
+    @property
+    def holds_text_encoders(self) -> bool:
+        return any(m is not None for m in self.text_encoders.values())
+
+
 def decode_shifted(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """SD3's and Flux's decode: `latents / scaling_factor + shift_factor` through the VAE -> images
     [B, 3, H, W] in [-1, 1]."""

@@ -33,7 +33,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
-from pipeline.models.base import TransformerVAE, decode_shifted, free_memory, pipeline_over, released_message
+from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
 from pipeline.models.source import Source, default_max_side, load_component, make_modules, vae_scale_factor
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
@@ -48,30 +48,17 @@ ENCODERS = ("text_encoder", "text_encoder_2")  # CLIP-L, T5
 TOKENIZERS = ("tokenizer", "tokenizer_2")
 
 
-class FluxAdapter(TransformerVAE):
+class FluxAdapter(TextEncodedVAE):
+    """text_encoders: text_encoder (CLIP-L), text_encoder_2 (T5); tokenizers: tokenizer, tokenizer_2."""
+
     family = "flux"
     uses_cfg = False  # with_true_cfg: True
+    MAX_SEQUENCE_LENGTH = MAX_SEQUENCE_LENGTH
+    true_cfg_scale: torch.Tensor | None = None  # float32 [1] on the device, with_true_cfg only
 
-    def __init__(
-        self,
-        name: str,
-        transformer: FluxTransformer2DModel,
-        vae: AutoencoderKL,
-        text_encoders: dict[str, torch.nn.Module | None],  # text_encoder (CLIP-L), text_encoder_2 (T5)
-        tokenizers: dict[str, Any],  # tokenizer, tokenizer_2
-        scheduler_class: str,
-        scheduler_config: dict[str, Any],
-        max_sequence_length: int | None,
-        max_side: int,
-        pipeline: str = PIPELINES[0],
-    ):
-        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side)
-        self.text_encoders = dict(text_encoders)
-        self.tokenizers = dict(tokenizers)
-        self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH
-        self.clip_length = self.tokenizers["tokenizer"].model_max_length  # FluxPipeline.tokenizer_max_length
-        self.granularity = self.vae_scale_factor * PACK
-        self.true_cfg_scale: torch.Tensor | None = None  # float32 [1] on the device, with_true_cfg only
+    @property
+    def granularity(self) -> int:
+        return self.vae_scale_factor * PACK
 
     @property
     def latent_channels(self) -> int:
@@ -158,16 +145,6 @@ class FluxAdapter(TransformerVAE):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_shifted(self.vae, latents)
 
-    def release_text_encoders(self) -> None:
-        """In place, so that a true-CFG copy and the adapter it came from both let go of them."""
-        for name in ENCODERS:
-            self.text_encoders[name] = None
-        free_memory()
-
-    @property
-    def holds_text_encoders(self) -> bool:
-        return any(m is not None for m in self.text_encoders.values())
-
 
 def position_ids(h: int, w: int, text_length: int, device: torch.device, dtype: torch.dtype):
     """(txt_ids [L, 3] zeros, img_ids [h/2 * w/2, 3]: (0, row, column) of each 2x2 patch, row-major),
@@ -208,19 +185,7 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
         tokenizers = {"tokenizer": build_clip_char_tokenizer(), "tokenizer_2": build_char_tokenizer()}
     else:
         tokenizers = {t: load_component(source, t, dtype, device) for t in TOKENIZERS}
-    scheduler_class, scheduler_config = source.scheduler
-    return FluxAdapter(
-        name,
-        modules["transformer"],
-        modules["vae"],
-        {e: modules[e] for e in ENCODERS},
-        tokenizers,
-        scheduler_class,
-        scheduler_config,
-        cfg.max_sequence_length,
-        limits(source, cfg)[1],
-        pipeline=source.pipeline,
-    )
+    return FluxAdapter.built(name, source, cfg, modules, ENCODERS, tokenizers, limits(source, cfg)[1])
 
 
 def to_diffusers(adapter: FluxAdapter):

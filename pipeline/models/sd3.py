@@ -21,7 +21,7 @@ from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import Item
-from pipeline.models.base import TransformerVAE, decode_shifted, free_memory, pipeline_over, released_message
+from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
 from pipeline.models.source import (
     Source,
     build_random_modules,
@@ -42,29 +42,16 @@ CLIPS = ("text_encoder", "text_encoder_2")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
 
-class SD3Adapter(TransformerVAE):
-    family = "sd3"
+class SD3Adapter(TextEncodedVAE):
+    """text_encoders: text_encoder, text_encoder_2 (CLIPs), text_encoder_3 (T5, may be None);
+    tokenizers: tokenizer, tokenizer_2, tokenizer_3."""
 
-    def __init__(
-        self,
-        name: str,
-        transformer: SD3Transformer2DModel,
-        vae: AutoencoderKL,
-        text_encoders: dict[str, torch.nn.Module | None],  # text_encoder, text_encoder_2, text_encoder_3 (T5, may be None)
-        tokenizers: dict[str, Any],  # tokenizer, tokenizer_2, tokenizer_3
-        scheduler_class: str,
-        scheduler_config: dict[str, Any],
-        max_sequence_length: int | None,
-        max_side: int,
-        pipeline: str = PIPELINES[0],
-    ):
-        super().__init__(name, pipeline, transformer, vae, scheduler_class, scheduler_config, max_side)
-        self.text_encoders = dict(text_encoders)
-        self.tokenizers = dict(tokenizers)
-        self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH
-        # diffusers pads both CLIPs to the first tokenizer's model_max_length (77 for CLIP)
-        self.clip_length = self.tokenizers["tokenizer"].model_max_length
-        self.granularity = self.vae_scale_factor * transformer.config.patch_size
+    family = "sd3"
+    MAX_SEQUENCE_LENGTH = MAX_SEQUENCE_LENGTH
+
+    @property
+    def granularity(self) -> int:
+        return self.vae_scale_factor * self.transformer.config.patch_size
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -127,14 +114,6 @@ class SD3Adapter(TransformerVAE):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_shifted(self.vae, latents)
 
-    def release_text_encoders(self) -> None:
-        self.text_encoders = {name: None for name in self.text_encoders}
-        free_memory()
-
-    @property
-    def holds_text_encoders(self) -> bool:
-        return any(m is not None for m in self.text_encoders.values())
-
 
 # ---- the family functions (pipeline.models.base.Family) --------------------------------------
 
@@ -187,19 +166,8 @@ def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.d
             raise UserError(f"model.path={source.path}: the SD3 pipeline needs {missing}, which model_index.json lacks")
         modules = {m: load_component(source, m, dtype, device) for m in present}
         tokenizers = {t: load_component(source, t, dtype, device) for t in TOKENIZERS if source.has(t)}
-    scheduler_class, scheduler_config = source.scheduler
-    return SD3Adapter(
-        model_name(source, cfg),
-        modules["transformer"],
-        modules["vae"],
-        {e: modules.get(e) for e in encoders},
-        tokenizers,
-        scheduler_class,
-        scheduler_config,
-        cfg.max_sequence_length,
-        limits(source, cfg)[1],
-        pipeline=source.pipeline,
-    )
+    return SD3Adapter.built(model_name(source, cfg), source, cfg, modules, tuple(encoders), tokenizers,
+                            limits(source, cfg)[1])
 
 
 def to_diffusers(adapter: SD3Adapter):
