@@ -25,6 +25,7 @@ class MemoryMarks:
 
     device: torch.device | None  # None off CUDA
     model_bytes: int | None = None
+    build_peaks: tuple[int, int] = (0, 0)  # (allocated, reserved) peaks up to the model mark
     denoise_allocated: int | None = None
     denoise_reserved: int | None = None
     text_encoders_resident: bool | None = None
@@ -41,6 +42,7 @@ class MemoryMarks:
         """The model is built and its kernels applied: allocated bytes are its weights."""
         if self.device is not None:
             self.model_bytes = torch.cuda.memory_allocated(self.device)
+            self.build_peaks = (torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device))
 
     def denoise(self, text_encoders_resident: bool) -> None:
         """The first batch is next: the prompts are encoded (with model.offload_text_encoder the text
@@ -52,7 +54,8 @@ class MemoryMarks:
 
     def report(self, peaks: tuple[int, int]) -> GpuMemory | None:
         """`peaks`: the device's (allocated, reserved) peaks, `BCGEngine.peak_memory` (its capture
-        resets CUDA's peak statistics and keeps what they held)."""
+        resets CUDA's peak statistics and keeps what they held); those of the build count too (a
+        calibration engine of bcg.ladder=auto resets them as well)."""
         if self.device is None:
             return None
         assert self.model_bytes is not None and self.denoise_allocated is not None, "report before both marks"
@@ -60,7 +63,7 @@ class MemoryMarks:
             model_gib=gib(self.model_bytes),
             denoise_allocated_gib=gib(self.denoise_allocated),
             denoise_reserved_gib=gib(self.denoise_reserved),
-            peak_allocated_gib=gib(peaks[0]),
-            peak_reserved_gib=gib(peaks[1]),
+            peak_allocated_gib=gib(max(peaks[0], self.build_peaks[0])),
+            peak_reserved_gib=gib(max(peaks[1], self.build_peaks[1])),
             text_encoders_resident=self.text_encoders_resident,
         )
