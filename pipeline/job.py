@@ -40,7 +40,7 @@ from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
-from pipeline.startup import StartupClock
+from pipeline.startup import Preamble, StartupClock
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
@@ -99,15 +99,19 @@ class Generated:
 
 
 @job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
-def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None) -> dict[str, Any]:
+def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None,
+        preamble: Preamble | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
     parts/shard-*.json holds it (`PartReport.to_dict()`; a shard found finished returns its part
     as it is, and builds no model). User errors raise ValueError subclasses (ManifestError,
     ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
     `Interrupted` once the current batch is committed. `adapter`: a model already built from
-    cfg.model (the benchmark's, shared with its diffusers baseline)."""
+    cfg.model (the benchmark's, shared with its diffusers baseline); `preamble`: the seconds the
+    caller spent on it and on other work before the job, kept out of the start-up's `imports`."""
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
     setup, stats = start(cfg)
+    if preamble is not None:
+        stats.startup.exclude(preamble)
 
     # 2. Read and validate the manifest against the model's limits (no weights needed for that).
     manifest, bad, extras = read_valid_manifest(cfg)

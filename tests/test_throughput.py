@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -13,8 +14,11 @@ from pipeline.calibrate import SAVED
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.manifest import ManifestError
+from pipeline.startup import process_age_s
 
 AUTO = ("bcg.ladder=auto", "bcg.auto_sizes=[1,2,4]")
+
+BASELINE_PAUSE_S = 2.0
 
 
 @pytest.fixture()
@@ -87,7 +91,17 @@ def test_bench_refuses_before_the_baseline_runs(tmp_path, manifest, monkeypatch)
         run_bench(cpu_job(manifest, committed, "bench.baseline=true"))
 
 
-def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, manifest):
+def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, manifest, monkeypatch):
+    from pipeline import bench
+
+    baseline = bench.diffusers_baseline
+
+    def slow_baseline(*args, **kwargs):  # a baseline of some seconds, which our start-up must not hold
+        time.sleep(BASELINE_PAUSE_S)
+        return baseline(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "diffusers_baseline", slow_baseline)
+    age_before = process_age_s()
     result = run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "bench.baseline_batch=4"))
     assert result["baseline"]["images"] == result["ours"]["images"] == 7
     assert result["baseline"]["calls"] == 2 + 1  # 64 px: 4 + 1 rows, 64x128: 2 rows
@@ -96,6 +110,10 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     assert pixels["images"] == 4 + 2 and pixels["max"] <= 2  # fp32 on CPU: the parity tests' bound
     assert result["ours"]["gpu_memory"] is None  # on the CPU
     assert json.loads((tmp_path / "out" / BENCH).read_text()) == result
+    startup = json.loads((tmp_path / "out" / "stats.json").read_text())["startup_s"]
+    assert startup["build"] >= result["model_build_s"] > 0  # the model the bench built counts as our build
+    if age_before is not None:  # Linux: imports is this process's age when the job began, less the bench's work
+        assert startup["imports"] < age_before + BASELINE_PAUSE_S / 2, (startup, age_before)
 
 
 def test_bench_table_shows_our_gpu_memory():
