@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_job, model_config, png, rows, write_manifest
+from conftest import cpu_job, job_config, model_config, png, rows, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
@@ -189,6 +189,20 @@ def test_a_family_refusal_names_every_setting_and_the_whole_fix():
     fix = message.rsplit("; set ", 1)[1]
     assert fix == "kernels.fuse_residual=false kernels.trim_text_padding=false kernels.compile_scope=blocks (or model)"
     check_kernels(replace(fast, fuse_residual=False, trim_text_padding=False, compile_scope="blocks"), "flux")
+
+
+def test_the_compiled_preset_serves_every_family_and_the_flux_bench():
+    """kernels=compiled (every family's exact compiled path) passes the checks for each family, also
+    under +job=bench with its PixArt-only text trimming turned off, and its kernels count in the
+    settings digest like any compile."""
+    from pipeline.kernels import output_kernels
+
+    for family in ("pixart", "sd3", "dit", "flux"):
+        check_kernels(job_config("manifest.path=m.parquet", "kernels=compiled").kernels, family)
+    bench = job_config("+job=bench", "model=flux_dev", "kernels=compiled", "kernels.trim_text_padding=false").kernels
+    check_kernels(bench, "flux")
+    assert output_kernels(bench)["compile"] is True and bench.compile_scope == "blocks"
+    check_kernels(replace(bench, fp8=True), "flux")  # float8 goes with it
 
 
 def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
