@@ -9,9 +9,12 @@ and conf/model/flux_schnell.yaml, built on the GPU; bf16, TF32 off, cudnn.benchm
 Variants (`--variants`), each compiled one on its own copy of the transformer, released before the next:
 - `eager`: PyTorch's kernels, no graph;
 - `graph`: the same, replayed from our engine's CUDA graphs;
-- `compile`: bf16, the transformer's repeated blocks compiled (kernels.compile, compile_scope=blocks,
-  dynamic shapes), replayed from our graphs;
-- `fp8+compile`: the same over kernels.fp8's rowwise-scaled float8 linear layers.
+- `compile`: bf16, the transformer's repeated blocks compiled (kernels=compiled: kernels.compile,
+  compile_scope=blocks, dynamic shapes, fixed tuning), replayed from our graphs;
+- `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
+  makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `autotune`
+  (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
+  matmul templates against cuBLAS). E.g. `fp8+compile`, `qkv+gelu+compile`, `qkv+fp8+compile+autotune`.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
    unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
@@ -30,7 +33,7 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
    draws it, VAE decode, uint8 on the host. Captured (and compiled) first, reported apart; then timed
    batch by batch from the noise to the images.
    Compared on the same rows: each variant's images against diffusers' (max and mean level difference),
-   fp8+compile's against the bf16 variant's (`compile`, else `graph`): PSNR (peak 255) and max level.
+   each float8 variant's against the bf16 variant's (`--bf16`): PSNR (peak 255) and max level.
    Speed-up: diffusers' seconds per image / ours, in this run.
 Order: FLUX.1-dev is built once: the uncompiled variants' steps, diffusers' dev cases, then each variant
 (its steps, then its cases). Then it is released and FLUX.1-schnell built: diffusers, then each variant.
@@ -66,19 +69,22 @@ from pipeline.compare import psnr
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels.compile import compile_stats, compile_transformer, start_compile_workers
-from pipeline.kernels.fp8 import quantize_fp8
+from pipeline.kernels import check_kernels, fp8, gelu, qkv
+from pipeline.kernels import compile as compile_kernels
+from pipeline.kernels.compile import compile_stats, start_compile_workers
 from pipeline.manifest import Item
 from pipeline.models import build_model, to_diffusers
 from pipeline.models.base import free_memory
 from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
 
-VARIANTS = ("eager", "graph", "compile", "fp8+compile")
+VARIANTS = ("eager", "graph", "compile", "fp8+compile")  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
-IMAGE_VARIANTS = ("graph", "compile", "fp8+compile")
-BF16 = ("compile", "graph")  # the bf16 images fp8's are compared with: the first of these that made images
-FP8 = "fp8+compile"
+# a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
+PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
+         "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"}}
+COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
+            "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
            "an old map of an imaginary island", "a glass of water on a wooden table", "a city street in the rain"]
 SEED = 100  # row k's seed: SEED + k, on both sides
@@ -130,10 +136,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux_dev", help="the conf/model file of the dev cases and the steps (flux family)")
     p.add_argument("--schnell-model", default="flux_schnell", help="the conf/model file of the schnell case")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--images", nargs="*", choices=IMAGE_VARIANTS,
-                   help="the variants that make each case's images, each one of --variants (default: those of "
-                        "compile and fp8+compile among them; none: no images, no diffusers calls)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
+                   help=f"eager, graph, or compile joined by '+' with any of {list(PARTS)} (default: {' '.join(VARIANTS)})")
+    p.add_argument("--images", nargs="*", type=variant_name,
+                   help="the variants that make each case's images, each one of --variants other than eager (default: "
+                        "compile and fp8+compile where among them; none: no images, no diffusers calls)")
+    p.add_argument("--bf16", type=variant_name,
+                   help="the bf16 variant whose images the float8 ones are compared with and that the case table shows "
+                        "(default: the first of --images without fp8)")
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     p.add_argument("--sides", type=int, nargs="*", default=[1024, 512], help="the steps' sides (none: no steps)")
     p.add_argument("--batch", type=int, default=1, help="the steps' batch")
@@ -147,11 +157,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             setattr(args, key, value)
     if args.images is None:
-        args.images = [v for v in ("compile", FP8) if v in args.variants]
-    missing = [v for v in args.images if v not in args.variants]
+        args.images = [v for v in ("compile", "fp8+compile") if v in args.variants]
+    missing = [v for v in args.images if v not in args.variants or v == "eager"]
     if missing:
-        p.error(f"--images {missing}: not among --variants {args.variants}")
+        p.error(f"--images {missing}: not among --variants {args.variants} (or eager, which makes no images)")
+    if args.bf16 is None:
+        args.bf16 = next((v for v in args.images if not is_fp8(v)), None)
+    elif args.bf16 not in args.images or is_fp8(args.bf16):
+        p.error(f"--bf16 {args.bf16}: not a bf16 variant of --images {args.images}")
     return args
+
+
+def variant_name(text: str) -> str:
+    """A --variants word, its parts in a canonical order (`compile+fp8` is `fp8+compile`), or an error
+    that names what is accepted."""
+    if text in UNCOMPILED:
+        return text
+    parts = text.split("+")
+    unknown = [part for part in parts if part not in PARTS and part != "compile"]
+    if unknown or "compile" not in parts or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: a variant is eager, graph, or compile joined by '+' with any of "
+                                         f"{list(PARTS)}, each once (e.g. fp8+compile, qkv+gelu+compile)")
+    return "+".join([part for part in PARTS if part in parts] + ["compile"])
+
+
+def is_fp8(variant: str) -> bool:
+    return "fp8" in variant.split("+")
+
+
+def variant_kernels(variant: str) -> KernelsConfig:
+    """A compiled variant's kernels, as a job's kernels config."""
+    settings = dict(COMPILED)
+    for part in variant.split("+")[:-1]:
+        settings.update(PARTS[part])
+    return KernelsConfig(**settings)
 
 
 def model_conf(name: str, overrides: tuple[str, ...] = ()):
@@ -167,17 +206,21 @@ def model_conf(name: str, overrides: tuple[str, ...] = ()):
     return cfg
 
 
-def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> FluxAdapter:
-    """`base` itself for eager and graph; otherwise a copy over a copy of its transformer, with the
-    variant's kernels (what apply_kernels does for kernels.fp8 and kernels.compile, on that copy)."""
+def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxAdapter, dict]:
+    """`base` itself for eager and graph; otherwise a copy over a copy of its transformer with the
+    variant's kernels, set by the kernel modules a job's apply_kernels calls -> (adapter, what they reported)."""
     if variant in UNCOMPILED:
-        return base
+        return base, {}
+    kernels = variant_kernels(variant)
+    check_kernels(kernels, "flux")  # settings that exclude each other (fp8 and gelu); the device is the bench's
     adapter = copy.copy(base)
     adapter.transformer = copy.deepcopy(base.transformer)
-    if "fp8" in variant:
-        log.info("%s: %d linear layers in float8", variant, quantize_fp8(adapter.transformer))
-    compile_transformer(adapter.transformer, "default", "fixed", shapes, dynamic=True, scope="blocks")
-    return adapter
+    report = {}
+    for module in (qkv, gelu, fp8):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
+        report.update(module.apply(kernels, adapter))
+    report.update(compile_kernels.apply(kernels, adapter, shapes))
+    log.info("%s: %s", variant, report)
+    return adapter, report
 
 
 def step_row(adapter: FluxAdapter, variant: str, side: int, batch: int, device: torch.device, warmup: int,
@@ -374,11 +417,12 @@ def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int],
     diffusers' `reference` images, fp8 against bf16 once both are in `ours`; then released."""
     compiled = variant not in UNCOMPILED
     since = compile_stats()
-    adapter = variant_adapter(base, variant, recompile_budget(args))
+    adapter, report = variant_adapter(base, variant, recompile_budget(args))
     if compiled:
+        results["kernels"][variant] = report
         step_rows(adapter, variant, which, sides, args, device, results)
         results["compiles"][f"{which}/{variant}"] = compile_stats(since)
-    bf16 = next((v for v in BF16 if v in args.images), None)
+    bf16 = args.bf16
     for case in cases if variant in args.images else []:
         reset_peak(device)
         timed, images = generate(adapter, case, embeddings, device, args.warmup)
@@ -387,8 +431,10 @@ def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int],
         entry["variants"][variant] = {**timed, "peak_gib": peak_gib(device),
                                       "speedup": round(entry["diffusers"]["s_per_image"] / timed["s_per_image"], 3),
                                       "vs_diffusers": level_difference(images, reference[case.name])}
-        if variant in (bf16, FP8) and (case.name, bf16) in ours and (case.name, FP8) in ours:
-            entry["fp8_vs_bf16"] = {"bf16": bf16, **compare_images(ours[case.name, FP8], ours[case.name, bf16])}
+        if bf16 and (case.name, bf16) in ours:  # each float8 variant against the bf16 one, once both made images
+            for quantized in [v for v in args.images if is_fp8(v) and (case.name, v) in ours and variant in (v, bf16)]:
+                entry.setdefault("fp8_vs_bf16", {})[quantized] = {
+                    "bf16": bf16, **compare_images(ours[case.name, quantized], ours[case.name, bf16])}
         if compiled:
             results["compiles"][f"{which}/{variant}"] = compile_stats(since)
         log.info("%s %s: %s", case.name, variant, entry["variants"][variant])
@@ -406,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = bench_device()
     if any(v not in UNCOMPILED for v in args.variants):
         start_compile_workers(KernelsConfig(compile=True), device)  # they come up while the model is built
-    results: dict = {"environment": environment(device, args), "models": {}, "steps": [], "cases": {}, "compiles": {}}
+    results: dict = {"environment": environment(device, args), "models": {}, "steps": [], "cases": {}, "compiles": {},
+                     "kernels": {}}
     start = time.perf_counter()
     cases = run_cases(args)
     for which in ("dev", "schnell"):
@@ -437,16 +484,19 @@ def step_table(steps: list[dict]) -> list[str]:
 
 
 def case_table(cases: dict) -> list[str]:
-    """One line per case: diffusers, the bf16 variant and fp8's speed-ups, and the image differences."""
+    """One line per case: diffusers, the bf16 variant's and the fastest float8 variant's speed-ups, and the
+    image differences."""
     lines = ["| case | px | batch | rows | steps | diffusers s/img | img/s | bf16 s/img | x | fp8 s/img | x | "
              "fp8 vs bf16 PSNR mean / min dB | max lvl | bf16 vs diffusers max / mean lvl | peak GiB diffusers / bf16 / fp8 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    bf16_names = set()
+    named = set()
     for name, c in cases.items():
-        d, variants, cmp = c["diffusers"], c["variants"], c.get("fp8_vs_bf16")
-        bf16_name = cmp["bf16"] if cmp else next((v for v in BF16 if v in variants), None)
-        bf16_names.add(bf16_name)
-        bf, fp8 = variants.get(bf16_name), variants.get(FP8)
+        d, variants, compared = c["diffusers"], c["variants"], fp8_comparisons(c)
+        fp8_name = min(compared, key=lambda v: variants[v]["s_per_image"], default=None)
+        cmp = compared.get(fp8_name)
+        bf16_name = cmp["bf16"] if cmp else next((v for v in variants if not is_fp8(v)), None)
+        named.update(n for n in (bf16_name, fp8_name) if n)
+        bf, fp8 = variants.get(bf16_name), variants.get(fp8_name)
         cells = [name, c["side"], c["batch"], c["rows"], c["steps"], f"{d['s_per_image']:.3f}", f"{d['images_per_s']:.3f}"]
         for v in (bf, fp8):
             cells += [f"{v['s_per_image']:.3f}", f"{v['speedup']:.2f}x"] if v else ["-", "-"]
@@ -454,9 +504,16 @@ def case_table(cases: dict) -> list[str]:
         cells.append(f"{bf['vs_diffusers']['max']} / {bf['vs_diffusers']['mean']}" if bf else "-")
         cells.append(" / ".join(_x(v and v["peak_gib"]) for v in (d, bf, fp8)))
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
-    named = sorted(n for n in bf16_names if n)
-    lines.append(f"bf16: the {' / '.join(named) or '-'} variant; fp8: {FP8}; x: diffusers' s/image / ours, this run")
+    lines.append(f"variants: {', '.join(sorted(named)) or '-'} (fp8: the fastest float8 variant of the case); "
+                 "x: diffusers' s/image / ours, this run")
     return lines
+
+
+def fp8_comparisons(case: dict) -> dict:
+    """float8 variant -> its images against the bf16 variant's; a JSON written before variants were
+    composable holds one comparison, of fp8+compile."""
+    compared = case.get("fp8_vs_bf16") or {}
+    return {"fp8+compile": compared} if "bf16" in compared else compared
 
 
 def variant_table(cases: dict) -> list[str]:

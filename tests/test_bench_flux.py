@@ -30,3 +30,13 @@ def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path)
     assert "| graph | 64 | 1 |" in proc.stdout and "| schnell-1024-b1 | 64 | 1 | 1 | 2 |" in proc.stdout
     again = run_benchmark("bench_flux.py", "--report", str(out))
     assert again.returncode == 0 and "| eager | 32 | 1 |" in again.stdout and "| 1024-b4 | graph |" in again.stdout
+
+
+
+def test_a_mistyped_variant_is_named_with_what_is_accepted():
+    for wrong in ("fp8+compil", "fp8", "compile+compile"):
+        proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", wrong)
+        assert proc.returncode == 2, wrong
+        assert f"{wrong!r}: a variant is eager, graph, or compile joined by '+' with any of ['fp8', 'qkv'" in proc.stderr
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "compile+fp8", "--images", "eager")
+    assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'fp8+compile']" in proc.stderr

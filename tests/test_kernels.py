@@ -247,7 +247,7 @@ def test_fused_projections_are_refused_where_diffusers_fused_sd3_attention_would
 
 def test_fused_projections_are_refused_where_diffusers_has_none(tmp_path):
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
-    with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3'\], not 'dit'"):
+    with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3', 'flux'\], not 'dit'"):
         apply_kernels(KernelsConfig(fuse_qkv=True), dit, None, shapes=1)
     with pytest.raises(UserError, match="cannot be combined with kernels.attention=flash_attn"):
         check_kernels(KernelsConfig(fuse_qkv=True, attention="flash_attn"))
@@ -435,3 +435,21 @@ def test_fused_gelu_is_refused_where_it_would_compute_something_else():
         check_kernels(KernelsConfig(fuse_gelu=True), "pixart", torch.device("cpu"))
     with pytest.raises(UserError, match="cannot be combined with kernels.fp8=true"):
         check_kernels(KernelsConfig(fuse_gelu=True, fp8=True), "pixart")
+
+
+def test_fused_projections_in_flux_compute_the_same():
+    """Flux's joint attention: one q|k|v for the image stream, one for the text stream (double blocks);
+    the single blocks' q|k|v; the separate projections are gone."""
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    x = random_inputs(flux)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+    report = apply_kernels(KernelsConfig(fuse_qkv=True), flux, None, shapes=1)
+    t = flux.transformer
+    assert report["fused_attention_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    double, single = t.transformer_blocks[0].attn, t.single_transformer_blocks[0].attn
+    assert hasattr(double, "to_added_qkv") and hasattr(single, "to_qkv")
+    assert not any(hasattr(double, name) for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"))
+    with torch.no_grad():
+        out = flux.guided_eps(x)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)

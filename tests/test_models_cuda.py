@@ -1,6 +1,7 @@
 """Flux and float8 on the GPU: the tiny Flux replays bit for bit what it computes eagerly (B rows,
-and 2B with true CFG; the step scope's per-resolution tables); float8 linear layers stay close to
-bf16, eager, compiled and replayed (skipped without CUDA; float8 needs sm89+).
+and 2B with true CFG; the step scope's per-resolution tables), also with its projections fused and
+the GELU in the matmul epilogue; float8 linear layers stay close to bf16, eager, compiled and
+replayed (skipped without CUDA; float8 needs sm89+).
 
 Run on a CUDA machine: `python -m pytest -m cuda tests/test_models_cuda.py -v`.
 """
@@ -35,6 +36,8 @@ FP8_LINEAR_REL_ERR = 0.06
 FP8_STEP_REL_ERR = 0.1
 # Compiled (fused quantization) against eager float8: the same math, rounded in another order.
 COMPILED_VS_EAGER_REL_ERR = 0.01
+# Fused projections and the GELU epilogue (rounded once from fp32), compiled, against diffusers' bf16 step.
+FUSED_STEP_REL_ERR = 0.02
 
 
 def tiny_flux():
@@ -126,6 +129,26 @@ def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call():
     assert report["fp8_linear_layers"] == 12 + 2 * 5
     compiled = eager(adapter, key, inputs, 2)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    engine = BCGEngine(adapter.guided_eps, lambda k: adapter.input_specs(*k), LADDER, "cuda")
+    engine.capture_all([key])
+    assert torch.equal(engine.run(key, inputs, 2), compiled)
+    engine.close()
+
+
+def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_compiled_call():
+    """kernels.fuse_qkv and kernels.fuse_gelu on Flux (both block kinds), under the compiled blocks:
+    close to diffusers' bf16 step, and replayed bit for bit."""
+    adapter = tiny_flux()
+    key = (64, 64)
+    inputs = random_inputs(adapter, key, 2)
+    reference = eager(adapter, key, inputs, 2)
+    kernels = KernelsConfig(attention="cudnn", fuse_qkv=True, fuse_gelu=True, compile=True, compile_scope="blocks")
+    report = apply_kernels(kernels, adapter, key, shapes=4)
+    t = adapter.transformer
+    assert report["fused_attention_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert report["fused_gelu_layers"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    compiled = eager(adapter, key, inputs, 2)
+    assert rel_err(compiled, reference) < FUSED_STEP_REL_ERR
     engine = BCGEngine(adapter.guided_eps, lambda k: adapter.input_specs(*k), LADDER, "cuda")
     engine.capture_all([key])
     assert torch.equal(engine.run(key, inputs, 2), compiled)

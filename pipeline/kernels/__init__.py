@@ -64,7 +64,7 @@ NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope ==
 SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FLASH_ATTN: (("pixart", "dit"), "its processor is written for the attention of model families {families}, "
                                     "not {family!r}"),
-    FUSE_QKV: (("pixart", "sd3"), "diffusers fuses the projections of model families {families}, not {family!r}"),
+    FUSE_QKV: (("pixart", "sd3", "flux"), "diffusers fuses the projections of model families {families}, not {family!r}"),
     FUSE_RESIDUAL: (("pixart",), "the block it rewrites is PixArt's (model families {families}); this model is {family!r}"),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),

@@ -28,14 +28,20 @@ def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
 
 def fuse_gelu(transformer: torch.nn.Module) -> int:
     """Every diffusers `GELU` activation with the tanh approximation and a biased projection runs as
-    one `torch._addmm_activation` (its own forward, set on that module instance) -> modules changed
-    (a model with none is refused)."""
+    one `torch._addmm_activation` (its own forward, set on that module instance); so does Flux's
+    single-stream block, whose up-projection `proj_mlp` is a plain linear layer followed by its
+    `act_mlp` (that block's `act_mlp` becomes an identity) -> modules changed (a model with none is
+    refused)."""
     from diffusers.models.activations import GELU
 
     changed = 0
     for module in transformer.modules():
         if isinstance(module, GELU) and module.approximate == "tanh" and module.proj.bias is not None:
-            module.forward = _gelu_epilogue_forward(module)
+            module.forward = _gelu_epilogue_forward(lambda gelu=module: gelu.proj)
+            changed += 1
+        elif is_linear_then_tanh_gelu(module):
+            module.proj_mlp.forward = _gelu_epilogue_forward(lambda proj=module.proj_mlp: proj)
+            module.act_mlp = torch.nn.Identity()
             changed += 1
     if not changed:
         raise UserError("kernels.fuse_gelu=true: this transformer has no tanh-GELU feed-forward with a biased projection "
@@ -43,9 +49,18 @@ def fuse_gelu(transformer: torch.nn.Module) -> int:
     return changed
 
 
-def _gelu_epilogue_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def is_linear_then_tanh_gelu(module: torch.nn.Module) -> bool:
+    """A block that applies `act_mlp` (a tanh GELU) to `proj_mlp` (a biased linear layer)'s output:
+    Flux's single-stream block."""
+    proj, act = getattr(module, "proj_mlp", None), getattr(module, "act_mlp", None)
+    return (isinstance(proj, torch.nn.Linear) and proj.bias is not None and isinstance(act, torch.nn.GELU)
+            and act.approximate == "tanh")
+
+
+def _gelu_epilogue_forward(projection: Callable[[], torch.nn.Linear]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A forward: the linear layer `projection()` returns, with the tanh GELU in its epilogue."""
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        proj = module.proj  # read at call time: a projection swapped later is the one used
+        proj = projection()  # read at call time: a projection swapped later is the one used
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
         return out.view(*hidden_states.shape[:-1], out.shape[-1])

@@ -1,5 +1,6 @@
 """kernels.fuse_qkv: diffusers' fused projections, one q|k|v matmul per self-attention and one k|v
-per cross-attention (the same math in wider matmuls, whose rounding may differ)."""
+per cross-attention; for Flux's joint attention one q|k|v for the image stream and one for the text
+stream (the same math in wider matmuls, whose rounding may differ)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ def fuse_qkv(transformer: torch.nn.Module) -> int:
     v of each cross-attention), with diffusers' fused attention processor; the projections the fused
     processor no longer reads are removed (no dead weights in memory or in fp8's count) -> attention
     layers fused. Refused where diffusers' fused processor would compute something else."""
+    from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
-    attentions = [m for m in transformer.modules() if isinstance(m, Attention)]
+    # PixArt's and SD3's `Attention`; Flux's `FluxAttention` (an AttentionModuleMixin that can fuse)
+    attentions = [m for m in transformer.modules() if isinstance(m, Attention)
+                  or isinstance(m, AttentionModuleMixin) and m._supports_qkv_fusion]
     if type(transformer).__name__ == "SD3Transformer2DModel":
         # diffusers' FusedJointAttnProcessor2_0 applies no q/k norm and needs the text stream in every
         # attention: SD3.5's qk norm and its second (image-only) attention would silently change.
@@ -41,7 +45,7 @@ def fuse_qkv(transformer: torch.nn.Module) -> int:
                             f"text stream, which {odd[0]} (and {len(odd) - 1} more) use or lack; set kernels.fuse_qkv=false")
     transformer.fuse_qkv_projections()
     for m in attentions:
-        unused = ("to_k", "to_v") if m.is_cross_attention else ("to_q", "to_k", "to_v")
+        unused = ("to_k", "to_v") if getattr(m, "is_cross_attention", False) else ("to_q", "to_k", "to_v")
         if getattr(m, "to_added_qkv", None) is not None:
             unused += ("add_q_proj", "add_k_proj", "add_v_proj")
         for name in unused:
