@@ -78,7 +78,7 @@ from pipeline.models.base import free_memory
 from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
 
-VARIANTS = ("eager", "graph", "compile", "fp8+compile")  # the default --variants
+VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"eager, graph, or compile joined by '+' with any of {list(PARTS)} (default: {' '.join(VARIANTS)})")
     p.add_argument("--images", nargs="*", type=variant_name,
                    help="the variants that make each case's images, each one of --variants other than eager (default: "
-                        "compile and fp8+compile where among them; none: no images, no diffusers calls)")
+                        "gelu+compile and fp8+compile where among them, else compile; none: no images, no diffusers calls)")
     p.add_argument("--bf16", type=variant_name,
                    help="the bf16 variant whose images the float8 ones are compared with and that the case table shows "
                         "(default: the first of --images without fp8)")
@@ -157,7 +157,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             setattr(args, key, value)
     if args.images is None:
-        args.images = [v for v in ("compile", "fp8+compile") if v in args.variants]
+        args.images = [v for v in ("gelu+compile", "fp8+compile") if v in args.variants] or \
+            [v for v in ("compile",) if v in args.variants]
     missing = [v for v in args.images if v not in args.variants or v == "eager"]
     if missing:
         p.error(f"--images {missing}: not among --variants {args.variants} (or eager, which makes no images)")

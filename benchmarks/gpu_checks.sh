@@ -19,6 +19,9 @@
 #                                                # + fp8, under our graphs) in the same run: FLUX.1-dev 1024 px batch 1
 #                                                # and 4, 512 px batch 1, FLUX.1-schnell 1024 px batch 1: s/image, fp8
 #                                                # against bf16 images (PSNR), ours against diffusers', peak memory
+#                                                # (FLUX_ARGS="--variants gelu+compile ..." for other variants)
+#   bash benchmarks/gpu_checks.sh flux-job       # +job=bench with FLUX.1-dev, 2 rows at 1024 px, float8, text encoders
+#                                                # offloaded: against diffusers, and stats.json's gpu_memory (peak)
 #   bash benchmarks/gpu_checks.sh kernels-1024   # bench_kernels.py at 1024 px, 8 prompts: a CFG step's ms and share of
 #                                                # the matmul rate per kernel variant, time by kernel category, top
 #                                                # kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others;
@@ -135,10 +138,19 @@ flux() {
   timeout -s KILL ${FLUX_TESTS_LIMIT:-120} python3 -m pytest -p no:cacheprovider -v -rs -m cuda tests/test_models_cuda.py > "$BENCH_OUT/pytest_flux_cuda.log" 2>&1; flux_tests_rc=$?
   echo "== flux cuda tests"; rc $flux_tests_rc; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$BENCH_OUT/pytest_flux_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -1 "$BENCH_OUT/pytest_flux_cuda.log"
   rm -f "$BENCH_OUT/bench_flux.json"
-  timeout -s KILL ${FLUX_LIMIT:-420} python3 benchmarks/bench_flux.py --out "$BENCH_OUT/bench_flux.json" > "$BENCH_OUT/bench_flux.log" 2>&1; flux_rc=$?
+  timeout -s KILL ${FLUX_LIMIT:-420} python3 benchmarks/bench_flux.py ${FLUX_ARGS:-} --out "$BENCH_OUT/bench_flux.json" > "$BENCH_OUT/bench_flux.log" 2>&1; flux_rc=$?
   echo "== flux: FLUX.1-dev transformer step per variant; FLUX.1-dev and schnell against diffusers' FluxPipeline"; rc $flux_rc
   [ -f "$BENCH_OUT/bench_flux.json" ] && python3 benchmarks/bench_flux.py --report "$BENCH_OUT/bench_flux.json" | cut -c1-300
   tail_if_failed $flux_rc "$BENCH_OUT/bench_flux.log"
+}
+
+flux_job() {  # +job=bench with FLUX.1-dev on 2 rows at 1024 px, float8, text encoders offloaded: gpu_memory
+  python3 -c "import pyarrow as pa, pyarrow.parquet as pq; pq.write_table(pa.table({'id': ['f0', 'f1'], 'prompt': ['a lighthouse on a rocky coast at dusk', 'a red fox in fresh snow'], 'width': [1024, 1024], 'height': [1024, 1024], 'seed': [100, 101]}), '/tmp/flux2.parquet')"
+  rm -rf /tmp/flux-job
+  timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run +job=bench model=flux_dev manifest.path=/tmp/flux2.parquet output.dir=/tmp/flux-job sampler.steps=28 sampler.guidance_scale=3.5 kernels=compiled kernels.fp8=true kernels.trim_text_padding=false model.offload_text_encoder=true bcg.ladder=[1] bench.baseline_batch=1 "${kernels[@]}" > "$BENCH_OUT/flux_job.log" 2>&1; local code=$?
+  cp /tmp/flux-job/stats.json "$BENCH_OUT/flux_job_stats.json" 2>/dev/null; cp /tmp/flux-job/bench.json "$BENCH_OUT/flux_job_bench.json" 2>/dev/null
+  bench_summary "flux job, 2 rows at 1024 px, fp8, text encoders offloaded ${KERNELS:-}" $code "$BENCH_OUT/flux_job.log"
+  grep -E "^GPU memory" "$BENCH_OUT/flux_job.log" | cut -c1-300
 }
 
 kernels_1024() {
@@ -259,6 +271,7 @@ for what in "${@:-cuda-tests}"; do
     bench-200) bench_200 ;;
     fp8) fp8 ;;
     flux) flux ;;
+    flux-job) flux_job ;;
     kernels-1024) kernels_1024 ;;
     kernels-512) kernels_512 ;;
     baseline-1000) baseline_1000 ;;
