@@ -14,7 +14,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
 - `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
   makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
-  matmul templates against cuBLAS). E.g. `fp8+compile`, `qkv+gelu+compile`, `qkv+fp8+compile+autotune`.
+  matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
+  tuned for its sizes). E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+autotune+static+compile`.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
    unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
@@ -82,7 +83,8 @@ VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the d
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
-         "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"}}
+         "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
+         "static": {"compile_dynamic": False}}
 COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
             "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",

@@ -16,6 +16,11 @@ job's, <output.dir>/.cache/inductor), so no run loads what another job compiled:
 - with `--timed`: two more jobs (`timed-a`, `timed-b`) under kernels.compile_tuning=timed
   kernels.compile_mode=coordinate-descent, whose images and tuned block sizes (the `.best_config`
   files inductor writes next to each kernel in the cache) are compared.
+First, what `imports` depends on besides the packages' size (`imports`, also alone with `--imports-only`):
+`import pipeline.job` timed twice, each in a fresh process (the second finds the bytecode the first
+wrote, where Python writes any), and per package the share of its modules with bytecode for this
+Python, and whether Python writes bytecode here at all (PYTHONDONTWRITEBYTECODE): a package installed
+without bytecode into a place where none is written is compiled from source by every process.
 Per run: the command's seconds, stats.json's start-up stages (`startup_s`, from the process's start
 as Linux records it, to the first committed batch: `to_first_commit`), compile counts and images/s. Then the images of `warm` (the resumed job) and of `shards` against `cold`, byte for byte
 (pipeline.compare). Saves JSON after every run and comparison (the timed runs come last); prints a
@@ -26,6 +31,7 @@ table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -43,6 +49,8 @@ from pipeline.report import PartReport
 from pipeline.stats import STOP_AFTER_BATCHES
 
 TIMED = ("kernels.compile_tuning=timed", "kernels.compile_mode=coordinate-descent")
+PACKAGES = ("torch", "diffusers", "transformers", "hydra", "omegaconf", "pyarrow")  # what a job imports
+IMPORT = "import pipeline.job"
 STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")
 
 
@@ -92,6 +100,37 @@ def run(name: str, out: Path, overrides: list[str], limit: float, shards: int = 
     return rows
 
 
+def bytecode_share(package: str) -> float | None:
+    """The share of a package's modules (.py files) that have bytecode for this Python, without
+    importing it; None where it is not installed."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    sources = [path for location in spec.submodule_search_locations for path in Path(location).rglob("*.py")]
+    compiled = sum(Path(importlib.util.cache_from_source(str(path))).exists() for path in sources)
+    return round(compiled / len(sources), 3) if sources else None
+
+
+def imports_probe() -> dict:
+    """`import pipeline.job` in two fresh processes (seconds each), the bytecode each package has,
+    and whether Python writes bytecode in this environment."""
+    seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", IMPORT], cwd=ROOT, check=True, capture_output=True)
+        seconds.append(round(time.perf_counter() - start, 2))
+    return {"command": f"{Path(sys.executable).name} -c '{IMPORT}'", "seconds": seconds,
+            "writes_bytecode": not sys.dont_write_bytecode, "pycache_prefix": sys.pycache_prefix,
+            "bytecode_share": {package: bytecode_share(package) for package in PACKAGES}}
+
+
+def imports_line(probe: dict) -> str:
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in probe["bytecode_share"].items() if share is not None)
+    writes = "writes bytecode" if probe["writes_bytecode"] else "writes no bytecode (PYTHONDONTWRITEBYTECODE)"
+    return (f"imports: {probe['command']}: {' s, then '.join(map(str, probe['seconds']))} s; Python {writes}; "
+            f"modules with bytecode: {shares}")
+
+
 def best_configs(cache: Path) -> dict[str, dict]:
     """Kernel (its file name: a hash of its source) -> the block sizes inductor chose for it."""
     out = {}
@@ -116,7 +155,8 @@ def save(path: Path, result: dict) -> None:
 def table(result: dict) -> str:
     head = ["run", "shard", "exit", "command_s", "to_first_commit_s", *STAGES, "compile_s", "cache_hits",
             "cache_misses", "tuning_benchmarks", "generated", "images_per_s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [imports_line(result["imports"]), ""] if "imports" in result else []
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["runs"]:
         stages = row.get("startup_s") or {}
         cells = [row.get(h, stages.get(h, "")) for h in head]
@@ -147,13 +187,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-after", type=int, default=1, help="batches the stopped run makes before its SIGTERM")
     p.add_argument("--timed", action="store_true", help="also two jobs under timed tuning, compared")
     p.add_argument("--limit", type=float, default=240, help="seconds per run before it is killed")
+    p.add_argument("--imports-only", action="store_true", help="only the imports probe (no job runs; a CPU is enough)")
     p.add_argument("overrides", nargs="*", help="after --: Hydra overrides for every run")
     args = p.parse_args(argv)
+    if args.imports_only:
+        probe = imports_probe()
+        save(args.out, {"imports": probe})
+        print(imports_line(probe))
+        return
     if args.work.exists() and any(args.work.iterdir()):
         p.error(f"--work {args.work} is not empty: every run starts from an empty output.dir and cache")
     common = [f"manifest.path={args.manifest.resolve()}", *args.overrides]
     w = args.work
-    result: dict = {"manifest": str(args.manifest), "overrides": args.overrides, "stop_after": args.stop_after, "runs": []}
+    result: dict = {"manifest": str(args.manifest), "overrides": args.overrides, "stop_after": args.stop_after,
+                    "imports": imports_probe(), "runs": []}
+    print(imports_line(result["imports"]), flush=True)
     for name, out, shards, env in (("cold", w / "single", 1, None),
                                    ("stopped", w / "resumed", 1, {STOP_AFTER_BATCHES: str(args.stop_after)}),
                                    ("warm", w / "resumed", 1, None), ("shards", w / "shards", 2, None)):
