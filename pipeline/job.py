@@ -40,7 +40,7 @@ from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
-from pipeline.startup import Preamble, StartupClock
+from pipeline.startup import Preamble, StartupClock, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
@@ -186,6 +186,7 @@ def start(cfg: JobConfig) -> tuple[Setup, RunStats]:
     check_choices(cfg)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     stats = RunStats()
+    say_imported_from_source(stats.startup.from_source)
     device = resolve_device(cfg.runtime.device, shard.index)
     check_job_kernels(cfg, device)
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)

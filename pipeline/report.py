@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import types
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -97,6 +97,8 @@ class StartupTimes:
     first_batch: float | None  # first batch queued to its images on the host (then written); None: no batch
     total: float | None  # process start to the first batch's images; None without `imports` or a batch
     to_first_commit: float | None = None  # process start to the first batch committed (its images and rows written)
+    # packages this process compiled from source (no bytecode, and none written): their compiling is in `imports`
+    imported_from_source: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

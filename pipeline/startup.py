@@ -8,7 +8,9 @@ interpreter's start, the imports, Hydra and the config checks.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,32 @@ from pathlib import Path
 from pipeline.report import StartupTimes
 
 STAGES = ("prepare", "build", "kernels", "calibrate", "prompts", "graphs")  # the job's laps, in order
+# The packages whose import is most of `imports`: their bytecode decides whether a process compiles them from source.
+IMPORTED = ("torch", "diffusers", "transformers", "hydra", "omegaconf")
+
+log = logging.getLogger(__name__)
+
+
+def imported_from_source() -> tuple[str, ...]:
+    """The packages of IMPORTED this process imported without bytecode and could not save it for
+    (PYTHONDONTWRITEBYTECODE, a read-only install): every process compiles them from source again,
+    which is in `imports`. A module's `__cached__` names the bytecode file Python reads or writes."""
+    missing = []
+    for name in IMPORTED:
+        cached = getattr(sys.modules.get(name), "__cached__", None)
+        if cached and not Path(cached).exists():
+            missing.append(name)
+    return tuple(missing)
+
+
+def say_imported_from_source(packages: tuple[str, ...]) -> None:
+    """Once per job, where `packages` is not empty: why its start-up is slower and the fix."""
+    if packages:
+        places = sorted({str(Path(sys.modules[name].__file__).parent.parent) for name in packages})
+        log.warning("startup: %s have no bytecode and Python writes none here (%s), so every process compiles them "
+                    "from source, seconds of its start-up; compile them once: %s -m compileall -q %s",
+                    ", ".join(packages), "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else
+                    "their directory is read-only", Path(sys.executable).name, " ".join(places))
 
 
 def process_age_s() -> float | None:
@@ -47,6 +75,7 @@ class StartupClock:
     job's start)."""
 
     before_job: float | None = field(default_factory=process_age_s)
+    from_source: tuple[str, ...] = field(default_factory=imported_from_source)
     started: float = field(default_factory=time.perf_counter)
     laps: dict[str, float] = field(default_factory=dict)
     last: float | None = None
@@ -79,4 +108,4 @@ class StartupClock:
         return StartupTimes(imports=r(self.before_job), prepare=r(lap["prepare"]), build=r(lap["build"]),
                             kernels=r(lap["kernels"]), calibrate=r(lap["calibrate"]), prompts=r(lap["prompts"]),
                             warmup=r(warmup), capture=r(lap["graphs"] - warmup), first_batch=r(first), total=r(total),
-                            to_first_commit=r(committed))
+                            to_first_commit=r(committed), imported_from_source=list(self.from_source))

@@ -80,7 +80,8 @@ def test_stats_json_splits_start_up_into_stages(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", SIZES)
     report = run(cpu_job(manifest, tmp_path / "out", *SMALL))
     startup = stats(tmp_path / "out")["startup_s"]
-    assert list(startup) == [*STAGES, "to_first_commit"] and startup == report["startup_s"]
+    assert list(startup) == [*STAGES, "to_first_commit", "imported_from_source"] and startup == report["startup_s"]
+    assert startup["imported_from_source"] == []  # the test's packages are installed with their bytecode
     assert all(startup[stage] >= 0 for stage in STAGES)
     assert startup["imports"] > 0 and startup["first_batch"] > 0  # this test process started before the job
     job_part = sum(startup[stage] for stage in STAGES[1:-1])
@@ -95,6 +96,28 @@ def test_stats_json_splits_start_up_into_stages(tmp_path):
     written = stats(tmp_path / "out")
     del written["startup_s"], written["shards"][0]["startup_s"]  # a stats.json from before the field
     assert RunReport.from_dict(written, "old stats.json").startup_s is None
+
+
+def test_packages_compiled_from_source_are_named_once_with_the_fix(tmp_path, monkeypatch, caplog):
+    """A package imported without bytecode where Python writes none (a container's
+    PYTHONDONTWRITEBYTECODE over a `pip install --no-compile`): each process compiles it again."""
+    import sys
+    import types
+
+    from pipeline.startup import imported_from_source
+
+    fake = types.ModuleType("diffusers")
+    fake.__file__ = str(tmp_path / "site" / "diffusers" / "__init__.py")
+    fake.__cached__ = str(tmp_path / "site" / "diffusers" / "__pycache__" / "__init__.cpython-311.pyc")  # not there
+    monkeypatch.setitem(sys.modules, "diffusers", fake)
+    assert imported_from_source() == ("diffusers",)
+    manifest = write_manifest(tmp_path / "m.parquet", SIZES)
+    with caplog.at_level("WARNING", logger="pipeline.startup"):
+        run(cpu_job(manifest, tmp_path / "out", *SMALL))
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.startup"]
+    assert len(warned) == 1 and "diffusers have no bytecode" in warned[0]
+    assert f"-m compileall -q {tmp_path / 'site'}" in warned[0]
+    assert stats(tmp_path / "out")["startup_s"]["imported_from_source"] == ["diffusers"]
 
 
 def test_a_job_stopped_after_some_batches_resumes_to_the_same_images(tmp_path, monkeypatch):
