@@ -55,6 +55,8 @@
 #                                                # first run's cache), as a job's first and later processes
 #   bash benchmarks/gpu_checks.sh fp8-200        # after cache-200: PixArt-Sigma with kernels.fp8 (compiled blocks) against
 #                                                # the same baseline, and its images against cache-200's bf16 (PSNR)
+#   bash benchmarks/gpu_checks.sh fp8-1000       # PixArt-Sigma on the 1,000-row manifest, no baseline: kernels=fast, then
+#                                                # with kernels.fp8 (compiled blocks): images/s each, fp8 against bf16 (PSNR)
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -256,6 +258,20 @@ fp8_200() {
   echo "== fp8 vs bf16 images, 200 rows"; rc $code; tail -8 "$BENCH_OUT/fp8_200_vs_bf16.log"
 }
 
+fp8_1000() {  # PixArt-Sigma on the 1,000-row manifest without a baseline: kernels=fast (bf16), then with fp8; images compared
+  local name
+  for name in bf16 fp8; do
+    local extra=()
+    [ $name = fp8 ] && extra=(kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile_scope=blocks)
+    rm -rf /tmp/fp8-1000-$name
+    timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run +job=bench bench.baseline=false output.dir=/tmp/fp8-1000-$name kernels.compile_cache_dir=$(mktemp -d /tmp/inductor-1000.XXXX) "${extra[@]}" "${kernels[@]}" > "$BENCH_OUT/fp8_1000_$name.log" 2>&1; local code=$?
+    cp /tmp/fp8-1000-$name/stats.json "$BENCH_OUT/fp8_1000_${name}_stats.json" 2>/dev/null
+    echo "== 1,000 rows, $name ${extra[*]} ${KERNELS:-}"; rc $code; stats_summary $name "$BENCH_OUT/fp8_1000_${name}_stats.json"; tail_if_failed $code "$BENCH_OUT/fp8_1000_$name.log"
+  done
+  python3 -m pipeline.compare /tmp/fp8-1000-bf16 /tmp/fp8-1000-fp8 --json "$BENCH_OUT/fp8_1000_vs_bf16.json" > "$BENCH_OUT/fp8_1000_vs_bf16.log" 2>&1; local code=$?
+  echo "== fp8 vs bf16 images, 1,000 rows"; rc $code; tail -8 "$BENCH_OUT/fp8_1000_vs_bf16.log"
+}
+
 shards() {
   rm -rf /tmp/bench-shards
   timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
@@ -284,6 +300,7 @@ for what in "${@:-cuda-tests}"; do
     writer-formats) writer_formats ;;
     cache-200) cache_200 ;;
     fp8-200) fp8_200 ;;
+    fp8-1000) fp8_1000 ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac
