@@ -34,9 +34,8 @@ def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path)
 
 
 def test_a_mistyped_variant_is_named_with_what_is_accepted():
-    for wrong in ("fp8+compil", "fp8", "compile+compile"):
-        proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", wrong)
-        assert proc.returncode == 2, wrong
-        assert f"{wrong!r}: a variant is eager, graph, or compile joined by '+' with any of ['fp8', 'qkv'" in proc.stderr
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "fp8+compil")
+    assert proc.returncode == 2
+    assert "'fp8+compil': a variant is eager, graph, or compile joined by '+' with any of ['fp8', 'qkv'" in proc.stderr
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "compile+fp8", "--images", "eager")
     assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'fp8+compile']" in proc.stderr
