@@ -16,7 +16,8 @@ job's, <output.dir>/.cache/inductor), so no run loads what another job compiled:
 - with `--timed`: two more jobs (`timed-a`, `timed-b`) under kernels.compile_tuning=timed
   kernels.compile_mode=coordinate-descent, whose images and tuned block sizes (the `.best_config`
   files inductor writes next to each kernel in the cache) are compared.
-First, what `imports` depends on besides the packages' size (`imports`, also alone with `--imports-only`):
+First, what `imports` depends on besides the packages' size (`imports`, also alone with `--imports-only`;
+`--compile-bytecode` measures it, compiles the bytecode the packages lack, and measures it again):
 `import pipeline.job` timed twice, each in a fresh process (the second finds the bytecode the first
 wrote, where Python writes any), and per package the share of its modules with bytecode for this
 Python, and whether Python writes bytecode here at all (PYTHONDONTWRITEBYTECODE): a package installed
@@ -124,6 +125,22 @@ def imports_probe() -> dict:
             "bytecode_share": {package: bytecode_share(package) for package in PACKAGES}}
 
 
+def imports_result(compile_bytecode: bool) -> dict:
+    """{"imports": the probe}; with `compile_bytecode`, the probe before as "imports_before_bytecode",
+    the directories compiled ("bytecode_compiled": those holding a package that lacked bytecode) and
+    the probe after as "imports"."""
+    probe = imports_probe()
+    if not compile_bytecode:
+        return {"imports": probe}
+    lacking = [name for name, share in probe["bytecode_share"].items() if share is not None and share < 1]
+    # the directories they are installed in: what else was installed with them (their dependencies) lacks it too
+    places = sorted({str(Path(location).parent) for name in lacking
+                     for location in importlib.util.find_spec(name).submodule_search_locations})
+    if places:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *places], check=False, capture_output=True)
+    return {"imports_before_bytecode": probe, "bytecode_compiled": places, "imports": imports_probe()}
+
+
 def imports_line(probe: dict) -> str:
     shares = ", ".join(f"{name} {share:.0%}" for name, share in probe["bytecode_share"].items() if share is not None)
     writes = "writes bytecode" if probe["writes_bytecode"] else "writes no bytecode (PYTHONDONTWRITEBYTECODE)"
@@ -188,20 +205,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timed", action="store_true", help="also two jobs under timed tuning, compared")
     p.add_argument("--limit", type=float, default=240, help="seconds per run before it is killed")
     p.add_argument("--imports-only", action="store_true", help="only the imports probe (no job runs; a CPU is enough)")
+    p.add_argument("--compile-bytecode", action="store_true",
+                   help="probe the imports, compile the bytecode of the directories that hold a probed package lacking some "
+                        "(compileall), then probe again before the runs: a --no-compile install measured both ways")
     p.add_argument("overrides", nargs="*", help="after --: Hydra overrides for every run")
     args = p.parse_args(argv)
     if args.imports_only:
-        probe = imports_probe()
-        save(args.out, {"imports": probe})
-        print(imports_line(probe))
+        result = imports_result(args.compile_bytecode)
+        save(args.out, result)
+        print("\n".join(imports_line(result[key]) for key in ("imports_before_bytecode", "imports") if key in result))
         return
     if args.work.exists() and any(args.work.iterdir()):
         p.error(f"--work {args.work} is not empty: every run starts from an empty output.dir and cache")
     common = [f"manifest.path={args.manifest.resolve()}", *args.overrides]
     w = args.work
     result: dict = {"manifest": str(args.manifest), "overrides": args.overrides, "stop_after": args.stop_after,
-                    "imports": imports_probe(), "runs": []}
-    print(imports_line(result["imports"]), flush=True)
+                    **imports_result(args.compile_bytecode), "runs": []}
+    for key in ("imports_before_bytecode", "imports"):
+        if key in result:
+            print(imports_line(result[key]), flush=True)
     for name, out, shards, env in (("cold", w / "single", 1, None),
                                    ("stopped", w / "resumed", 1, {STOP_AFTER_BATCHES: str(args.stop_after)}),
                                    ("warm", w / "resumed", 1, None), ("shards", w / "shards", 2, None)):
