@@ -119,37 +119,40 @@ def test_fp8_linear_is_close_to_bf16_eager_compiled_and_replayed():
     engine.close()
 
 
-@needs_fp8
-def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call():
+def with_kernels(kernels: KernelsConfig, key=(64, 64), n=2):
+    """The tiny Flux's step on n random rows, eagerly, then with `kernels` applied (apply_kernels, as a
+    job does) -> (adapter, report, inputs, the step before, the step after)."""
     adapter = tiny_flux()
-    key = (64, 64)
-    inputs = random_inputs(adapter, key, 2)
-    reference = eager(adapter, key, inputs, 2)
-    report = apply_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), adapter, key, shapes=4)
-    assert report["fp8_linear_layers"] == 12 + 2 * 5
-    compiled = eager(adapter, key, inputs, 2)
-    assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    inputs = random_inputs(adapter, key, n)
+    reference = eager(adapter, key, inputs, n)
+    report = apply_kernels(kernels, adapter, key, shapes=4)
+    return adapter, report, inputs, reference, eager(adapter, key, inputs, n)
+
+
+def replayed(adapter, key, inputs, n):
+    """The step at `key` on these n rows, replayed from a graph captured now."""
     engine = BCGEngine(adapter.guided_eps, lambda k: adapter.input_specs(*k), LADDER, "cuda")
     engine.capture_all([key])
-    assert torch.equal(engine.run(key, inputs, 2), compiled)
+    out = engine.run(key, inputs, n)
     engine.close()
+    return out
+
+
+@needs_fp8
+def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call():
+    adapter, report, inputs, reference, compiled = with_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"))
+    assert report["fp8_linear_layers"] == 12 + 2 * 5
+    assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
 
 def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_compiled_call():
     """kernels.fuse_qkv and kernels.fuse_gelu on Flux (both block kinds), under the compiled blocks:
     close to diffusers' bf16 step, and replayed bit for bit."""
-    adapter = tiny_flux()
-    key = (64, 64)
-    inputs = random_inputs(adapter, key, 2)
-    reference = eager(adapter, key, inputs, 2)
     kernels = KernelsConfig(attention="cudnn", fuse_qkv=True, fuse_gelu=True, compile=True, compile_scope="blocks")
-    report = apply_kernels(kernels, adapter, key, shapes=4)
+    adapter, report, inputs, reference, compiled = with_kernels(kernels)
     t = adapter.transformer
     assert report["fused_attention_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
     assert report["fused_gelu_layers"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    compiled = eager(adapter, key, inputs, 2)
     assert rel_err(compiled, reference) < FUSED_STEP_REL_ERR
-    engine = BCGEngine(adapter.guided_eps, lambda k: adapter.input_specs(*k), LADDER, "cuda")
-    engine.capture_all([key])
-    assert torch.equal(engine.run(key, inputs, 2), compiled)
-    engine.close()
+    assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
