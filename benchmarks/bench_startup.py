@@ -141,6 +141,11 @@ def imports_result(compile_bytecode: bool) -> dict:
     return {"imports_before_bytecode": probe, "bytecode_compiled": places, "imports": imports_probe()}
 
 
+def imports_lines(result: dict) -> list[str]:
+    """The probes a result holds (before the bytecode was compiled, then as the runs found it), a line each."""
+    return [imports_line(result[key]) for key in ("imports_before_bytecode", "imports") if key in result]
+
+
 def imports_line(probe: dict) -> str:
     shares = ", ".join(f"{name} {share:.0%}" for name, share in probe["bytecode_share"].items() if share is not None)
     writes = "writes bytecode" if probe["writes_bytecode"] else "writes no bytecode (PYTHONDONTWRITEBYTECODE)"
@@ -172,7 +177,7 @@ def save(path: Path, result: dict) -> None:
 def table(result: dict) -> str:
     head = ["run", "shard", "exit", "command_s", "to_first_commit_s", *STAGES, "compile_s", "cache_hits",
             "cache_misses", "tuning_benchmarks", "generated", "images_per_s"]
-    lines = [imports_line(result["imports"]), ""] if "imports" in result else []
+    lines = [*imports_lines(result), ""] if "imports" in result else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["runs"]:
         stages = row.get("startup_s") or {}
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.imports_only:
         result = imports_result(args.compile_bytecode)
         save(args.out, result)
-        print("\n".join(imports_line(result[key]) for key in ("imports_before_bytecode", "imports") if key in result))
+        print("\n".join(imports_lines(result)))
         return
     if args.work.exists() and any(args.work.iterdir()):
         p.error(f"--work {args.work} is not empty: every run starts from an empty output.dir and cache")
@@ -221,9 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     w = args.work
     result: dict = {"manifest": str(args.manifest), "overrides": args.overrides, "stop_after": args.stop_after,
                     **imports_result(args.compile_bytecode), "runs": []}
-    for key in ("imports_before_bytecode", "imports"):
-        if key in result:
-            print(imports_line(result[key]), flush=True)
+    print("\n".join(imports_lines(result)), flush=True)
     for name, out, shards, env in (("cold", w / "single", 1, None),
                                    ("stopped", w / "resumed", 1, {STOP_AFTER_BATCHES: str(args.stop_after)}),
                                    ("warm", w / "resumed", 1, None), ("shards", w / "shards", 2, None)):
