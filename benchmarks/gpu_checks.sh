@@ -2,6 +2,9 @@
 # Every GPU check and benchmark, on a CUDA machine, from the repo root. Logs and JSON go under
 # $BENCH_OUT (default outputs/benchmarks); each stage prints a short summary. Stages run in the order given
 # (default: cuda-tests):
+#   bash benchmarks/gpu_checks.sh bytecode       # first, where the packages lack bytecode (a job warns so at start): the
+#                                                # imports timed, the bytecode compiled (compileall), timed again; every
+#                                                # later figure then counts the imports of an installed package
 #   bash benchmarks/gpu_checks.sh cuda-tests     # the whole suite, cuda tests included; bench_scopes.py (bcg.scope
 #                                                # per-image denoise times); the demo job on the GPU
 #   bash benchmarks/gpu_checks.sh diffusers      # the cuda tests, the GPU demo, then bench_diffusers.py: end-to-end
@@ -192,6 +195,12 @@ compile_cache() {
   du -sh "$cache"
 }
 
+bytecode() {
+  python3 benchmarks/bench_startup.py --imports-only --compile-bytecode --out "$BENCH_OUT/imports.json" > "$BENCH_OUT/imports.log" 2>&1; local code=$?
+  echo "== bytecode: the imports, the missing bytecode compiled, the imports again"; rc $code; grep -E "^imports" "$BENCH_OUT/imports.log" | cut -c1-300
+  tail_if_failed $code "$BENCH_OUT/imports.log"
+}
+
 startup() {
   python3 -m pytest -p no:cacheprovider -v -rs -m cuda tests/test_startup_cuda.py > "$BENCH_OUT/startup_tests.log" 2>&1; st_rc=$?
   echo "== startup cuda tests"; rc $st_rc; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$BENCH_OUT/startup_tests.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-200; tail_if_failed $st_rc "$BENCH_OUT/startup_tests.log"
@@ -281,6 +290,7 @@ shards() {
 
 for what in "${@:-cuda-tests}"; do
   case "$what" in
+    bytecode) bytecode ;;
     cuda-tests) cuda_tests ;;
     diffusers) diffusers ;;
     engine) engine ;;
