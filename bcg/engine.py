@@ -69,7 +69,7 @@ class BCGEngine:
         device: torch.device,
         *,
         enabled: bool = True,
-        warmup: int = 3,
+        warmup: int = 2,
         lazy: bool = False,
         pool_limit_gib: float | None = None,
         pool_margin: float = 1.3,

@@ -15,7 +15,9 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
-  tuned for its sizes). E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+autotune+static+compile`.
+  tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
+  compiled too, on the variant's own copy of the VAE; it changes the cases' decode, not the steps).
+  E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+decoder+compile`, `gelu+autotune+static+compile`.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
    unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
@@ -70,7 +72,7 @@ from pipeline.compare import psnr
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels import check_kernels, fp8, gelu, qkv
+from pipeline.kernels import check_kernels, decoder, fp8, gelu, qkv
 from pipeline.kernels import compile as compile_kernels
 from pipeline.kernels.compile import compile_stats, start_compile_workers
 from pipeline.manifest import Item
@@ -84,7 +86,7 @@ UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
-         "static": {"compile_dynamic": False}}
+         "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1}}
 COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
             "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
@@ -218,10 +220,13 @@ def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxA
     check_kernels(kernels, "flux")  # settings that exclude each other (fp8 and gelu); the device is the bench's
     adapter = copy.copy(base)
     adapter.transformer = copy.deepcopy(base.transformer)
+    if kernels.compile_decoder:  # compiled on a copy: diffusers' calls and the other variants keep the eager decoder
+        adapter.vae = copy.deepcopy(base.vae)
     report = {}
     for module in (qkv, gelu, fp8):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
         report.update(module.apply(kernels, adapter))
     report.update(compile_kernels.apply(kernels, adapter, shapes))
+    report.update(decoder.apply(kernels, adapter, None))  # compiled at the case's warm-up decode (generate)
     log.info("%s: %s", variant, report)
     return adapter, report
 
@@ -341,6 +346,7 @@ def reset_peak(device: torch.device) -> None:
 def release(adapter: FluxAdapter, base: FluxAdapter) -> None:
     if adapter is not base:
         adapter.transformer = None
+        adapter.vae = None  # its own copy, or a reference to the base's
     free_memory()
 
 

@@ -75,7 +75,7 @@ class BCGConfig:
     ladder: Any = field(default_factory=lambda: [1, 2, 4, 8])
     auto_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     scope: str = "forward"
-    warmup: int = 3
+    warmup: int = 2
     # plan: graphs for the (resolution, bucket) pairs this run's batches use; ladder: for every
     # bucket of the ladder at each of its resolutions (what a batch split after an out-of-memory
     # error may also need; without it those run eagerly, counted as misses).
