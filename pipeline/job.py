@@ -28,6 +28,7 @@ from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               start_compile_workers, with_attention)
+from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
@@ -120,6 +121,9 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     #    saved; a new auto choice waits for the model (step 10).
     ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
                             settings_digest(cfg, setup.precision))
+    note = decoder_padding_note(cfg.kernels, max(ladder.ladder or cfg.bcg.auto_sizes))
+    if note:
+        log.warning(note)
 
     # 4. Plan the whole job (every shard computes the same plan), then take this shard's slice.
     planned = plan_ladder(ladder, manifest, cfg, setup.shard)

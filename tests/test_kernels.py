@@ -21,6 +21,7 @@ from pipeline.job import run
 from pipeline.kernels import apply_kernels, check_kernels, compile_cache, compile_stats, decode_in_chunks, with_attention
 from pipeline.kernels.attention import FLASH_ATTN_OP, probe_attention, use_flash_attn
 from pipeline.kernels.compile import CACHE_ENV, compile_options
+from pipeline.kernels.decoder import padding_note
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 
@@ -362,6 +363,12 @@ def test_decode_in_chunks_calls_the_decoder_with_full_chunks_only():
     assert torch.equal(decode_in_chunks(decoder, latents[:2], 4), latents[:2] * 2) and calls[-1] == 4
     with pytest.raises(UserError, match="kernels.decode_chunk=0 must be >= 1"):
         check_kernels(KernelsConfig(compile_decoder=True, decode_chunk=0))
+    # a chunk above the ladder's top decodes padding in every call: said at start, with the fix
+    note = padding_note(KernelsConfig(compile_decoder=True, decode_chunk=4), largest_batch=1)
+    assert "kernels.decode_chunk=4 is larger than the largest batch this job decodes (1" in note
+    assert "3 or more padded latents" in note and "kernels.decode_chunk=1 decodes none" in note
+    assert padding_note(KernelsConfig(compile_decoder=True, decode_chunk=4), largest_batch=8) is None
+    assert padding_note(KernelsConfig(compile_decoder=False, decode_chunk=4), largest_batch=1) is None
     with pytest.raises(UserError, match="kernels.compile_mode='fastest' is not accepted"):  # either compile
         compile_options("fastest", "fixed")
 

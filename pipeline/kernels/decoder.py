@@ -23,6 +23,18 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
         raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
 
 
+def padding_note(kernels: KernelsConfig, largest_batch: int) -> str | None:
+    """What to say at start when every decoder call would decode padding: a chunk larger than the
+    largest batch the job decodes (the ladder's top). None when it would not."""
+    chunk = kernels.decode_chunk
+    if not kernels.compile_decoder or chunk <= largest_batch:
+        return None
+    return (f"kernels.decode_chunk={chunk} is larger than the largest batch this job decodes ({largest_batch}, the "
+            f"ladder's top): each decoder call decodes {chunk - largest_batch} or more padded latents besides the "
+            f"batch's; kernels.decode_chunk={largest_batch} decodes none (its images differ by rounding from a "
+            f"chunk of {chunk}'s)")
+
+
 def apply(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] | None) -> dict:
     """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}."""
     if not kernels.compile_decoder:
