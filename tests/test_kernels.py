@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
-from pipeline.kernels import apply_kernels, check_kernels, compile_cache, compile_stats, decode_in_chunks, with_attention
+from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, compile_vae_decoder,
+                              decode_in_chunks, with_attention)
 from pipeline.kernels.attention import FLASH_ATTN_OP, probe_attention, use_flash_attn
 from pipeline.kernels.compile import CACHE_ENV, compile_options
 from pipeline.kernels.decoder import padding_note
@@ -391,6 +393,19 @@ def test_compiled_decoder_serves_every_resolution_with_one_graph_and_is_a_settin
         assert int(np.abs(ours - theirs).max()) <= 1
     with pytest.raises(ResumeConflict, match="kernels other than the default"):
         run(cpu_job(manifest, tmp_path / "compiled"))
+
+
+@pytest.mark.slow
+def test_compiling_the_decoder_in_bf16_prints_no_tracing_notice():
+    """diffusers' upsampling blocks ask a cached version check in bf16; dynamo's notice about
+    tracing through it is not the user's concern, so the compiled decoder's first call says nothing."""
+    model = build_model(model_config("tiny"), torch.device("cpu"), torch.bfloat16)
+    compile_vae_decoder(model.vae.decoder, "default", "fixed")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        images = model.decode(torch.zeros(1, *model.latent_shape(32, 32), dtype=torch.bfloat16))
+    assert images.shape == (1, 3, 32, 32)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_trimmed_text_padding_computes_the_same_step(tiny):

@@ -107,7 +107,7 @@ def probe_attention(call: Callable[[], object]) -> dict[str, int]:
     which kernel PyTorch chose for every attention call (flash-attn's calls show as `flash_attn`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:  # one cycle, its events kept
         call()
     counts: Counter[str] = Counter()
     for event in prof.events():

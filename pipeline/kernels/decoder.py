@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -16,6 +17,9 @@ from pipeline.kernels.compile import compile_options
 from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
+# What dynamo says, while it traces, of diffusers' upsampling blocks: their bf16 branch asks an
+# lru_cache'd version check, which dynamo traces through (a constant). It changes nothing compiled.
+CACHED_CALL_NOTICE = r"Dynamo detected a call to a `functools.lru_cache`-wrapped function"
 
 
 def check(kernels: KernelsConfig, device: torch.device | None) -> None:
@@ -77,7 +81,8 @@ def compile_vae_decoder(decoder: torch.nn.Module, mode: str, tuning: str) -> Non
 
     def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         torch._dynamo.mark_static(sample, 0)
-        with fx_config.patch(use_duck_shape=False):
+        with fx_config.patch(use_duck_shape=False), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=CACHED_CALL_NOTICE, category=UserWarning)
             return compiled(sample, *args, **kwargs)
 
     decoder.forward = forward
