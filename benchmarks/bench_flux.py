@@ -16,12 +16,16 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
-  compiled too, on the variant's own copy of the VAE; it changes the cases' decode, not the steps).
+  compiled too, on the variant's own copy of the VAE; it changes the cases' decode, not the steps),
+  `cudnn` or `flash` (kernels.attention: that SDPA backend first; without either, PyTorch's own choice).
   E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+decoder+compile`, `gelu+autotune+static+compile`.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
    unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
    `--iters` calls after `--warmup`, on CUDA events; the first pass (a compile's compile) apart.
+   With `--profile`, also the attention calls of one eager call by the backend that served them, and
+   the kernel time of two eager calls (the kernels the graph replays) by category: matmul, attention,
+   inductor's fused kernels, other; and the slowest kernels.
 2. Cases (`--cases`), each a model, a size, a batch, rows, steps and guidance (CASES):
    - `1024-b1`, `512-b1`: FLUX.1-dev, batch 1, 2 rows, 28 steps, guidance 3.5;
    - `1024-b4`: FLUX.1-dev, 1024 px, one batch of 4;
@@ -72,21 +76,25 @@ from pipeline.compare import psnr
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels import check_kernels, decoder, fp8, gelu, qkv
+from pipeline.kernels import check_kernels, decoder, fp8, gelu, qkv, with_attention
 from pipeline.kernels import compile as compile_kernels
+from pipeline.kernels.attention import probe_attention
 from pipeline.kernels.compile import compile_stats, start_compile_workers
 from pipeline.manifest import Item
 from pipeline.models import build_model, to_diffusers
 from pipeline.models.base import free_memory
 from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
+from pipeline.profiling import profile_categories
 
 VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
-         "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1}}
+         "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
+         "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}
+ATTENTION_PARTS = ("cudnn", "flash")  # one at most: each is a value of kernels.attention
 COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
             "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
@@ -153,6 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="the steps' batch")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls of a step; passes before a capture")
+    p.add_argument("--profile", action="store_true",
+                   help="each step's attention calls by backend and kernel time by category (matmul, attention, ...)")
     p.add_argument("--smoke", action="store_true", help="tiny_flux on the CPU, in seconds")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_flux.json")
     p.add_argument("--report", type=Path, help="print the tables of a saved JSON (a run stopped early: what it measured)")
@@ -180,9 +190,11 @@ def variant_name(text: str) -> str:
         return text
     parts = text.split("+")
     unknown = [part for part in parts if part not in PARTS and part != "compile"]
-    if unknown or "compile" not in parts or len(set(parts)) != len(parts):
+    attention = [part for part in parts if part in ATTENTION_PARTS]
+    if unknown or "compile" not in parts or len(set(parts)) != len(parts) or len(attention) > 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a variant is eager, graph, or compile joined by '+' with any of "
-                                         f"{list(PARTS)}, each once (e.g. fp8+compile, qkv+gelu+compile)")
+                                         f"{list(PARTS)}, each once and at most one of {list(ATTENTION_PARTS)} "
+                                         "(e.g. fp8+compile, qkv+gelu+compile, cudnn+gelu+compile)")
     return "+".join([part for part in PARTS if part in parts] + ["compile"])
 
 
@@ -211,6 +223,11 @@ def model_conf(name: str, overrides: tuple[str, ...] = ()):
     return cfg
 
 
+def attention_of(variant: str) -> str:
+    """kernels.attention of a variant (the uncompiled ones: PyTorch's own choice)."""
+    return "auto" if variant in UNCOMPILED else variant_kernels(variant).attention
+
+
 def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxAdapter, dict]:
     """`base` itself for eager and graph; otherwise a copy over a copy of its transformer with the
     variant's kernels, set by the kernel modules a job's apply_kernels calls -> (adapter, what they reported)."""
@@ -232,9 +249,11 @@ def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxA
 
 
 def step_row(adapter: FluxAdapter, variant: str, side: int, batch: int, device: torch.device, warmup: int,
-             iters: int) -> dict:
-    """One transformer step's median ms (in our graph unless eager) and the first pass's seconds."""
-    engine = BCGEngine(adapter.guided_eps, lambda key: adapter.input_specs(*key), [batch], device,
+             iters: int, profile: bool = False) -> dict:
+    """One transformer step's median ms (in our graph unless eager) and the first pass's seconds; with
+    `profile`, its attention calls by backend and its kernel time by category (eager calls)."""
+    step = with_attention(adapter.guided_eps, attention_of(variant), device.type)
+    engine = BCGEngine(step, lambda key: adapter.input_specs(*key), [batch], device,
                        enabled=variant != "eager", warmup=warmup)
     key = (side, side)
     start = time.perf_counter()
@@ -246,8 +265,13 @@ def step_row(adapter: FluxAdapter, variant: str, side: int, batch: int, device: 
     ms = time_calls(lambda: engine.run(key, inputs, batch), device, warmup, iters)
     metrics = engine.metrics
     engine.close()
-    return {"variant": variant, "side": side, "batch": batch, "ms": round(ms, 3), "ready_s": round(ready_s, 2),
-            "first_pass_s": round(metrics.first_pass_s, 2), "graph": bool(metrics.active)}
+    row = {"variant": variant, "side": side, "batch": batch, "ms": round(ms, 3), "ready_s": round(ready_s, 2),
+           "first_pass_s": round(metrics.first_pass_s, 2), "graph": bool(metrics.active)}
+    if profile:
+        with torch.no_grad():
+            row["attention_calls"] = probe_attention(lambda: step(inputs))
+        row["profile_ms"], row["profile_top"] = profile_categories(lambda: step(inputs), device)
+    return row
 
 
 def synchronize(device: torch.device) -> None:
@@ -283,15 +307,16 @@ def diffusers_case(pipe, case: Case, embeddings: dict, device: torch.device) -> 
 
 
 @torch.no_grad()
-def generate(adapter: FluxAdapter, case: Case, embeddings: dict, device: torch.device,
+def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, device: torch.device,
              warmup: int) -> tuple[dict, np.ndarray]:
     """The case's rows through the step scope under graphs (captured, and compiled, first; then a
     warm-up: the decode, or with graphs off one batch) -> (the timing after capture and warm-up and the
     preparation's seconds, uint8 [rows, H, W, 3])."""
     side = case.side
     start = time.perf_counter()
-    denoiser = Denoiser(adapter, "step", "default", case.steps,
-                        lambda fn, specs: BCGEngine(fn, specs, [case.batch], device, warmup=warmup))
+    attention = attention_of(variant)
+    denoiser = Denoiser(adapter, "step", "default", case.steps, lambda fn, specs: BCGEngine(
+        with_attention(fn, attention, device.type), specs, [case.batch], device, warmup=warmup))
     denoiser.capture_all([(side, side)])
     captured_s = time.perf_counter() - start
 
@@ -413,8 +438,8 @@ def step_rows(adapter: FluxAdapter, variant: str, which: str, sides: list[int], 
               results: dict) -> None:
     for side in sides:
         reset_peak(device)
-        row = {"model": which, **step_row(adapter, variant, side, args.batch, device, args.warmup, args.iters),
-               "peak_gib": peak_gib(device)}
+        row = {"model": which, **step_row(adapter, variant, side, args.batch, device, args.warmup, args.iters,
+                                          args.profile), "peak_gib": peak_gib(device)}
         results["steps"].append(row)
         log.info("%s", row)
         save(results, args.out)
@@ -434,7 +459,7 @@ def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int],
     bf16 = args.bf16
     for case in cases if variant in args.images else []:
         reset_peak(device)
-        timed, images = generate(adapter, case, embeddings, device, args.warmup)
+        timed, images = generate(adapter, variant, case, embeddings, device, args.warmup)
         ours[case.name, variant] = images
         entry = results["cases"][case.name]
         entry["variants"][variant] = {**timed, "peak_gib": peak_gib(device),
@@ -492,6 +517,22 @@ def step_table(steps: list[dict]) -> list[str]:
     return lines
 
 
+def profile_table(steps: list[dict]) -> list[str]:
+    """The profiled steps: kernel ms per category, the attention calls by backend, the slowest kernels."""
+    profiled = [r for r in steps if "profile_ms" in r]
+    categories = sorted({c for r in profiled for c in r["profile_ms"]})
+    lines = ["| variant | px | batch | " + " | ".join(f"{c} ms" for c in categories) + " | attention calls |",
+             "|---|---|---|" + "---|" * (len(categories) + 1)]
+    for r in profiled:
+        cells = [r["variant"], r["side"], r["batch"], *(_x(r["profile_ms"].get(c)) for c in categories),
+                 r.get("attention_calls", "-")]
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    for r in profiled:
+        lines.append(f"slowest kernels, {r['variant']} {r['side']} px b{r['batch']} (ms per step):")
+        lines += [f"  {ms:8.2f}  {category:<16} {kernel[:100]}" for kernel, category, ms in r["profile_top"]]
+    return lines
+
+
 def case_table(cases: dict) -> list[str]:
     """One line per case: diffusers, the bf16 variant's and the fastest float8 variant's speed-ups, and the
     image differences."""
@@ -541,6 +582,8 @@ def table(results: dict) -> str:
     lines = []
     if results["steps"]:
         lines += ["Steps", *step_table(results["steps"]), ""]
+        if any("profile_ms" in r for r in results["steps"]):
+            lines += ["Step profiles", *profile_table(results["steps"]), ""]
     if results["cases"]:
         lines += ["Cases", *case_table(results["cases"]), "", "Variants per case", *variant_table(results["cases"]), ""]
     for which, m in results["models"].items():

@@ -6,18 +6,26 @@ The compiled and float8 variants run too with `--smoke` alone (a minute or more 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from conftest import run_benchmark
+from omegaconf import OmegaConf
 
 
 def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path):
     out = tmp_path / "flux.json"
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "graph", "--images", "graph",
-                         "--cases", "1024-b4", "schnell-1024-b1", "--out", str(out))
+                         "--cases", "1024-b4", "schnell-1024-b1", "--profile", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [(r["variant"], r["side"]) for r in result["steps"]] == [("eager", 64), ("eager", 32), ("graph", 64), ("graph", 32)]
     assert all(r["ms"] > 0 for r in result["steps"])
+    # --profile: every attention call of the step counted by the backend that served it (tiny_flux:
+    # one per block), and the step's kernel time split by category
+    arch = OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "tiny_flux.yaml").arch.transformer
+    blocks = arch.num_layers + arch.num_single_layers  # one joint attention per block
+    assert all(sum(r["attention_calls"].values()) == blocks for r in result["steps"]), result["steps"]
+    assert all(r["profile_ms"].get("matmul", 0) > 0 and r["profile_top"] for r in result["steps"])
     assert set(result["models"]) == {"dev", "schnell"}
     assert list(result["cases"]) == ["1024-b4", "schnell-1024-b1"]
     for case in result["cases"].values():
@@ -27,7 +35,7 @@ def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path)
         # the same noise and embeddings on both sides: bf16 rounding apart, the same images
         assert ours["vs_diffusers"]["max"] < 32
         assert "fp8_vs_bf16" not in case
-    assert "| graph | 64 | 1 |" in proc.stdout and "| schnell-1024-b1 | 64 | 1 | 1 | 2 |" in proc.stdout
+    assert "Step profiles" in proc.stdout and "| graph | 64 | 1 |" in proc.stdout and "| schnell-1024-b1 | 64 | 1 | 1 | 2 |" in proc.stdout
     again = run_benchmark("bench_flux.py", "--report", str(out))
     assert again.returncode == 0 and "| eager | 32 | 1 |" in again.stdout and "| 1024-b4 | graph |" in again.stdout
 
@@ -37,5 +45,7 @@ def test_a_mistyped_variant_is_named_with_what_is_accepted():
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "fp8+compil")
     assert proc.returncode == 2
     assert "'fp8+compil': a variant is eager, graph, or compile joined by '+' with any of ['fp8', 'qkv'" in proc.stderr
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "cudnn+flash+compile")
+    assert proc.returncode == 2 and "at most one of ['cudnn', 'flash']" in proc.stderr
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "compile+fp8", "--images", "eager")
     assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'fp8+compile']" in proc.stderr

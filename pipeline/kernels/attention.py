@@ -3,8 +3,8 @@
 `auto` leaves the choice to PyTorch SDPA; `cudnn | flash | efficient | math` put that SDPA backend
 first (`sdpa_kernel`), the others serving only calls it cannot; `flash_attn` installs
 `FlashAttnProcessor` (flash-attn's kernel, the optional `flash` extra) on the transformer's
-attention modules. What actually ran is observed, not assumed: `probe` records the SDPA ops of one
-eager call and the job reports them.
+attention modules. What actually ran is observed, not assumed: `probe` counts the attention kernels of
+one eager call and the job reports them.
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ import importlib.util
 import logging
 from collections import Counter
 from contextlib import nullcontext
+from contextvars import ContextVar
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.buffers import StaticInputs
 from pipeline.config import ATTENTION, KernelsConfig
@@ -31,16 +35,17 @@ SDPA = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-# aten ops behind F.scaled_dot_product_attention -> the backend that ran it.
+# the fused aten ops behind F.scaled_dot_product_attention -> the backend that ran it; a call that
+# reaches none of them ran the math backend, which decomposes into plain matmuls and a softmax.
 SDPA_OPS = {
     "aten::_scaled_dot_product_cudnn_attention": "cudnn",
     "aten::_scaled_dot_product_flash_attention": "flash",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
     "aten::_scaled_dot_product_efficient_attention": "efficient",
-    "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
 FLASH_ATTN_OP = "flash_attn"
+MATH = "math"
 UNSET = ("auto", "flash_attn")  # no SDPA backend to choose: PyTorch's own choice, or not SDPA at all
 
 
@@ -103,27 +108,59 @@ def with_attention(fn: Callable, name: str, device_type: str = "cuda") -> Callab
 
 
 def probe_attention(call: Callable[[], object]) -> dict[str, int]:
-    """Run `call` once under the profiler -> {backend: SDPA calls it served}. The SDPA op names say
-    which kernel PyTorch chose for every attention call (flash-attn's calls show as `flash_attn`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:  # one cycle, its events kept
-        call()
+    """Run `call` once, eagerly (compiled functions too: the modes that count see nothing inside
+    compiled code), counting its attention calls -> {backend: calls it served}: each
+    F.scaled_dot_product_attention call by the fused op it dispatched to (`math` when none), and
+    FlashAttnProcessor's flash-attn calls as `flash_attn`."""
     counts: Counter[str] = Counter()
-    for event in prof.events():
-        if event.name in SDPA_OPS:
-            counts[SDPA_OPS[event.name]] += 1
-        elif event.name == FlashAttnProcessor.RECORD:
-            counts[FLASH_ATTN_OP] += 1
+    calls, kernels = _SdpaCalls(), _SdpaKernels(counts)
+    token = _FLASH_ATTN_CALLS.set(counts)
+    try:
+        with torch.compiler.set_stance("force_eager"), calls, kernels:
+            call()
+    finally:
+        _FLASH_ATTN_CALLS.reset(token)
+    fused = sum(n for backend, n in counts.items() if backend != FLASH_ATTN_OP)
+    if calls.count > fused:
+        counts[MATH] += calls.count - fused
     return dict(sorted(counts.items()))
+
+
+class _SdpaCalls(TorchFunctionMode):
+    """Counts F.scaled_dot_product_attention calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _SdpaKernels(TorchDispatchMode):
+    """Counts the fused SDPA ops below autograd, by backend, into `counts`."""
+
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        backend = SDPA_OPS.get(func._schema.name)
+        if backend is not None:
+            self.counts[backend] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# the probe's counter while it runs, where FlashAttnProcessor counts its flash-attn calls
+_FLASH_ATTN_CALLS: ContextVar[Counter | None] = ContextVar("flash_attn_calls", default=None)
 
 
 class FlashAttnProcessor:
     """diffusers' AttnProcessor2_0 (PixArt's and DiT's attention) with flash-attn's kernel for every
     call without a mask. A masked call (PixArt's cross-attention over padded prompt tokens) has no
     flash-attn equivalent at fixed shapes and goes to SDPA; `probe_attention` reports both."""
-
-    RECORD = "flash_attn::flash_attn_func"
 
     def __init__(self, flash_attn_func: Callable | None = None):
         if flash_attn_func is None:
@@ -147,8 +184,9 @@ class FlashAttnProcessor:
         if attn.norm_k is not None:
             key = attn.norm_k(key.transpose(1, 2)).transpose(1, 2)
         if attention_mask is None:
-            with torch.profiler.record_function(self.RECORD):
-                out = self.flash_attn_func(query, key, value, dropout_p=0.0, causal=False)
+            out = self.flash_attn_func(query, key, value, dropout_p=0.0, causal=False)
+            if (probing := _FLASH_ATTN_CALLS.get()) is not None:
+                probing[FLASH_ATTN_OP] += 1
         else:
             mask = attn.prepare_attention_mask(attention_mask, context.shape[1], b)
             mask = mask.view(b, attn.heads, -1, mask.shape[-1])
