@@ -228,6 +228,20 @@ def attention_of(variant: str) -> str:
     return "auto" if variant in UNCOMPILED else variant_kernels(variant).attention
 
 
+# the SDPA backend that dynamo's compiled code in this process was traced under (None: nothing compiled yet)
+_traced_attention: list[str | None] = [None]
+
+
+def retrace_for(attention: str) -> None:
+    """dynamo does not guard on the SDPA backend context, so code traced under one backend would serve
+    a later variant's calls under another (its block code is the same): drop it when the backend changes."""
+    if _traced_attention[0] not in (None, attention):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    _traced_attention[0] = attention
+
+
 def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxAdapter, dict]:
     """`base` itself for eager and graph; otherwise a copy over a copy of its transformer with the
     variant's kernels, set by the kernel modules a job's apply_kernels calls -> (adapter, what they reported)."""
@@ -450,6 +464,8 @@ def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int],
     """One variant on one model: a compiled one's steps, then its cases (with --images), each against
     diffusers' `reference` images, fp8 against bf16 once both are in `ours`; then released."""
     compiled = variant not in UNCOMPILED
+    if compiled:
+        retrace_for(attention_of(variant))  # before the snapshot: a reset clears dynamo's compile times
     since = compile_stats()
     adapter, report = variant_adapter(base, variant, recompile_budget(args))
     if compiled:
