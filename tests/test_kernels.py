@@ -396,16 +396,47 @@ def test_compiled_decoder_serves_every_resolution_with_one_graph_and_is_a_settin
 
 
 @pytest.mark.slow
-def test_compiling_the_decoder_in_bf16_prints_no_tracing_notice():
-    """diffusers' upsampling blocks ask a cached version check in bf16; dynamo's notice about
-    tracing through it is not the user's concern, so the compiled decoder's first call says nothing."""
+def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
+    """The compiled decoder's first call traces it once (a second trace would be paid by every
+    process of a job, a warm one too: dynamo traces again where inductor's cache has the code), and
+    says nothing: diffusers' upsampling blocks ask a cached version check in bf16, and dynamo's notice
+    about tracing through it is not the user's concern."""
+    from torch._dynamo.utils import compilation_time_metrics
+
     model = build_model(model_config("tiny"), torch.device("cpu"), torch.bfloat16)
+    torch._dynamo.reset()  # its compile times too: the attempts counted are this decoder's
     compile_vae_decoder(model.vae.decoder, "default", "fixed")
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         images = model.decode(torch.zeros(1, *model.latent_shape(32, 32), dtype=torch.bfloat16))
+    attempts = sorted(name for name in compilation_time_metrics if name.startswith("compile_attempt_"))
+    torch._dynamo.reset()
     assert images.shape == (1, 3, 32, 32)
+    assert attempts == ["compile_attempt_0"], attempts
     assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.slow
+def test_compiled_flux_blocks_are_traced_once():
+    """Each compiled block kind is traced once: a second trace (float scalars left symbolic stop the
+    first) would be paid by every process of a job, a warm one too."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from pipeline.process_state import job_scope
+
+    model = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    with job_scope():
+        torch._dynamo.reset()
+        apply_kernels(KernelsConfig(compile=True, compile_scope="blocks"), model, None, shapes=2)
+        x = StaticInputs.allocate(model.input_specs(32, 32), 1, torch.device("cpu")).view(1)
+        for value in x.values():
+            if value.is_floating_point():
+                value.normal_()
+        with torch.no_grad():
+            model.guided_eps(x)
+        attempts = {name: len(times) for name, times in compilation_time_metrics.items()
+                    if name.startswith("compile_attempt_")}
+    assert attempts == {"compile_attempt_0": 3}, attempts  # the two block kinds; the single block twice (strides)
 
 
 def test_trimmed_text_padding_computes_the_same_step(tiny):

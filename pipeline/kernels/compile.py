@@ -92,8 +92,9 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     """Compile this transformer instance in place with inductor (see the module's docstring for
     `scope` and `tuning`). `dynamic`: one compilation with symbolic batch and token counts serves every
     (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
-    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager (a
-    process-wide setting: the job puts it back when it ends, pipeline.process_state)."""
+    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager, and float
+    scalars are specialized (process-wide settings: the job puts them back when it ends,
+    pipeline.process_state)."""
     how = compile_options(mode, tuning)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
@@ -102,6 +103,10 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     limit = max(dynamo_config.recompile_limit, shapes + 2)
     dynamo_config.recompile_limit = limit
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
+    # Float scalars as constants (the blocks' are: norm epsilons, attention scales); left symbolic, the
+    # pass that turns them into tensors stops the first trace of a block and dynamo traces it again,
+    # in every process, a warm one too.
+    dynamo_config.specialize_float = True
     if scope == "norms":  # kernels.fuse_residual's block, with its one fusable kernel compiled
         residual.fuse_residual(transformer, *residual.compiled_functions(dynamic, how, compile_options("default", tuning)))
     elif dynamic:
