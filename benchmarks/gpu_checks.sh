@@ -48,6 +48,8 @@
 #   DECODE_ARGS="--variants nchw compile chunked" bash benchmarks/gpu_checks.sh decode
 #                                                # bench_decode.py: VAE decode ms per image at 512/768/1024 px per
 #                                                # variant (chunked: kernels.compile_decoder's one compilation)
+#   bash benchmarks/gpu_checks.sh decoder-warm   # bench_decoder_warm.py: the compiled decoder's first pass in a new
+#                                                # process, cold then warm (one inductor cache); warm bytes == cold
 #   KERNELS=... bash benchmarks/gpu_checks.sh recompiles  # our job alone on 60 rows with TORCH_LOGS=recompiles:
 #                                                # recompiles, graphs, compile and warm-up seconds
 #   bash benchmarks/gpu_checks.sh writer-formats # +job=bench without the baseline on the 200-row manifest, with
@@ -221,6 +223,11 @@ decode() {
   echo "== decode"; rc $decode_rc; grep -E "^\||VAE|Error" "$BENCH_OUT/bench_decode.log"
 }
 
+decoder_warm() {
+  timeout -s KILL ${DECODER_WARM_LIMIT:-240} python3 benchmarks/bench_decoder_warm.py --out "$BENCH_OUT/decoder_warm.json" > "$BENCH_OUT/decoder_warm.log" 2>&1; local code=$?
+  echo "== decoder first pass, cold then warm"; rc $code; grep -E "^\||torch" "$BENCH_OUT/decoder_warm.log"; tail_if_failed $code "$BENCH_OUT/decoder_warm.log"
+}
+
 recompiles() {
   rm -rf /tmp/recompiles
   TORCH_LOGS=recompiles timeout -s KILL ${WARMUP_LIMIT:-180} python3 -m pipeline.run +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/recompiles "${kernels[@]}" > "$BENCH_OUT/recompiles.log" 2>&1; recompiles_rc=$?
@@ -306,6 +313,7 @@ for what in "${@:-cuda-tests}"; do
     startup) startup ;;
     micro) micro ;;
     decode) decode ;;
+    decoder-warm) decoder_warm ;;
     recompiles) recompiles ;;
     writer-formats) writer_formats ;;
     cache-200) cache_200 ;;

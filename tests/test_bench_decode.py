@@ -39,3 +39,18 @@ def test_chunked_variant_decodes_what_the_job_decodes(tmp_path):
         row = result["sides"][side]
         assert row["chunked"]["ms_per_image"] > 0 and row["chunked"]["max_levels"] <= 8, side
     assert result["compiles"]["chunked"]["compiled_graphs"] == 1
+
+
+@pytest.mark.slow
+def test_warm_decoder_process_traces_once_and_decodes_the_cold_process_bytes(tmp_path):
+    """benchmarks/bench_decoder_warm.py --smoke: two processes on one inductor cache, each tracing the
+    compiled decoder once; the second (warm) decodes the first's bytes."""
+    out = tmp_path / "w.json"
+    proc = run_benchmark("bench_decoder_warm.py", "--smoke", "--cache", str(tmp_path / "cache"), "--out", str(out),
+                         timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cold, warm = json.loads(out.read_text())["runs"]
+    assert cold["trace_attempts"] == warm["trace_attempts"] == {"compile_attempt_0": 1}
+    assert warm["warm_equals_cold"] is True
+    assert cold["decoder_first_pass_s"] > 0 and warm["decoder_first_pass_s"] > 0
+    assert "| warm |" in proc.stdout
