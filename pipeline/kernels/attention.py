@@ -147,7 +147,8 @@ class _SdpaKernels(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        backend = SDPA_OPS.get(func._schema.name)
+        schema = getattr(func, "_schema", None)  # an OpOverload's; a higher-order op has none
+        backend = SDPA_OPS.get(schema.name) if schema is not None else None
         if backend is not None:
             self.counts[backend] += 1
         return func(*args, **(kwargs or {}))

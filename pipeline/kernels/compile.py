@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 JOB_CACHE = Path(".cache") / "inductor"  # under output.dir: a hidden folder, which dataset loaders skip
+# dynamo's settings under which a block or the VAE decoder is traced once: float scalars as constants
+# (theirs are: norm epsilons, attention and upsampling scales). Left symbolic, the pass that turns them
+# into tensors stops the first trace and dynamo traces it all again, in every process, a warm one too.
+TRACED_ONCE = {"specialize_float": True}
 CONTIGUOUS_HOOK = "_contiguous_output_hook"  # the patch embedding's hook handle (contiguous_block_input)
 
 
@@ -92,8 +96,8 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     """Compile this transformer instance in place with inductor (see the module's docstring for
     `scope` and `tuning`). `dynamic`: one compilation with symbolic batch and token counts serves every
     (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
-    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager, and float
-    scalars are specialized (process-wide settings: the job puts them back when it ends,
+    `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager, and
+    TRACED_ONCE applies (process-wide settings: the job puts them back when it ends,
     pipeline.process_state)."""
     how = compile_options(mode, tuning)
     if scope not in COMPILE_SCOPES:
@@ -103,10 +107,8 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     limit = max(dynamo_config.recompile_limit, shapes + 2)
     dynamo_config.recompile_limit = limit
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
-    # Float scalars as constants (the blocks' are: norm epsilons, attention scales); left symbolic, the
-    # pass that turns them into tensors stops the first trace of a block and dynamo traces it again,
-    # in every process, a warm one too.
-    dynamo_config.specialize_float = True
+    for key, value in TRACED_ONCE.items():
+        setattr(dynamo_config, key, value)
     if scope == "norms":  # kernels.fuse_residual's block, with its one fusable kernel compiled
         residual.fuse_residual(transformer, *residual.compiled_functions(dynamic, how, compile_options("default", tuning)))
     elif dynamic:

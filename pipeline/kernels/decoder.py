@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels.compile import compile_options
+from pipeline.kernels.compile import TRACED_ONCE, compile_options
 from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,7 @@ def compile_vae_decoder(decoder: torch.nn.Module, mode: str, tuning: str) -> Non
     decodes a fixed chunk: `decode_in_chunks`), so one graph serves every resolution. The batch is
     marked static on the tensor the compiled code receives, and duck sizing is off while dynamo
     traces: it would give a square latent's two sides one symbol, so a non-square one recompiles.
-    Float scalars are specialized while it traces: the decoder's are constants (norm epsilons, scale
-    factors), and left symbolic, the pass that turns them into tensors stops the first trace and
-    dynamo traces the decoder again, in every process, a warm one too.
+    dynamo traces it under TRACED_ONCE (once, not twice, in every process).
     The compiled forward is this decoder instance's; its class keeps its own."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
@@ -84,7 +82,7 @@ def compile_vae_decoder(decoder: torch.nn.Module, mode: str, tuning: str) -> Non
 
     def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         torch._dynamo.mark_static(sample, 0)
-        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True), \
+        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(**TRACED_ONCE), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=CACHED_CALL_NOTICE, category=UserWarning)
             return compiled(sample, *args, **kwargs)
