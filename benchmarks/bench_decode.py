@@ -53,7 +53,7 @@ def set_variant(vae: AutoencoderKL, name: str) -> None:
     if "compile" in name:
         vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=False)
     elif name == "chunked":
-        compile_vae_decoder(vae.decoder, "default", "fixed")
+        compile_vae_decoder(vae.decoder)
 
 
 def decode(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:

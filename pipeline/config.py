@@ -130,7 +130,7 @@ class KernelsConfig:
     # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
     # same up to rounding; cross-attention and text encoding do less work.
     trim_text_padding: bool = False
-    # torch.compile the VAE decoder too (inductor, under kernels.compile_mode). Latents are decoded in
+    # torch.compile the VAE decoder too (inductor, default mode, fixed tuning). Latents are decoded in
     # chunks of `decode_chunk` (the last one padded), so one compilation serves every resolution and
     # batch: the batch is static, height and width are symbolic. Images differ from eager by rounding.
     compile_decoder: bool = False

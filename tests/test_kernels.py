@@ -405,7 +405,7 @@ def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
 
     model = build_model(model_config("tiny"), torch.device("cpu"), torch.bfloat16)
     torch._dynamo.reset()  # its compile times too: the attempts counted are this decoder's
-    compile_vae_decoder(model.vae.decoder, "default", "fixed")
+    compile_vae_decoder(model.vae.decoder)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         images = model.decode(torch.zeros(1, *model.latent_shape(32, 32), dtype=torch.bfloat16))

@@ -1,6 +1,11 @@
-"""kernels.compile_decoder: the VAE decoder compiled with inductor (under kernels.compile_mode), one
-compilation for every resolution, and latents decoded `kernels.decode_chunk` at a time (the last
-chunk padded) so that the decoder always sees the same batch. Images differ from eager by rounding."""
+"""kernels.compile_decoder: the VAE decoder compiled with inductor, one compilation for every
+resolution, and latents decoded `kernels.decode_chunk` at a time (the last chunk padded) so that the
+decoder always sees the same batch. Images differ from eager by rounding.
+
+The decoder compiles with inductor's default mode and fixed tuning whatever kernels.compile_mode and
+kernels.compile_tuning say of the transformer: timing its kernels did not make the decode faster
+(docs/BENCHMARKS.md) and is paid again in every process, as the timed choices are not all cached,
+while fixed tuning gives the same decoder kernels in every process."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ log = logging.getLogger(__name__)
 # What dynamo says, while it traces, of diffusers' upsampling blocks: their bf16 branch asks an
 # lru_cache'd version check, which dynamo traces through (a constant). It changes nothing compiled.
 CACHED_CALL_NOTICE = r"Dynamo detected a call to a `functools.lru_cache`-wrapped function"
+DECODER_COMPILE = ("default", "fixed")  # (mode, tuning) of the decoder's compile, the job's settings aside
 
 
 def check(kernels: KernelsConfig, device: torch.device | None) -> None:
@@ -43,18 +49,18 @@ def apply(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] 
     """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}."""
     if not kernels.compile_decoder:
         return {}
-    seconds = compile_decoder(adapter, kernels.compile_mode, kernels.compile_tuning, kernels.decode_chunk, probe_size)
-    log.info("kernels: VAE decoder compiled with inductor (mode=%s), %d latents per call; first pass %.1f s",
-             kernels.compile_mode, kernels.decode_chunk, seconds)
+    seconds = compile_decoder(adapter, kernels.decode_chunk, probe_size)
+    log.info("kernels: VAE decoder compiled with inductor (mode=%s, tuning %s), %d latents per call; first pass %.1f s",
+             *DECODER_COMPILE, kernels.decode_chunk, seconds)
     return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
 
 
-def compile_decoder(adapter: Adapter, mode: str, tuning: str, chunk: int, probe_size: tuple[int, int] | None) -> float:
+def compile_decoder(adapter: Adapter, chunk: int, probe_size: tuple[int, int] | None) -> float:
     """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through
     `decode_in_chunks` from now on (the adapter instance's `decode`); with `probe_size`, decode one
     chunk of zeros there so that the compile happens now, at warm-up, not in the first batch, and at
     the same size in every process of the job (the manifest's smallest) -> seconds that took."""
-    compile_vae_decoder(adapter.vae.decoder, mode, tuning)
+    compile_vae_decoder(adapter.vae.decoder)
     decode = adapter.decode
     adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
     if probe_size is None:
@@ -68,7 +74,7 @@ def compile_decoder(adapter: Adapter, mode: str, tuning: str, chunk: int, probe_
     return time.perf_counter() - start
 
 
-def compile_vae_decoder(decoder: torch.nn.Module, mode: str, tuning: str) -> None:
+def compile_vae_decoder(decoder: torch.nn.Module) -> None:
     """Compile the decoder's forward with symbolic height and width and a static batch (the caller
     decodes a fixed chunk: `decode_in_chunks`), so one graph serves every resolution. The batch is
     marked static on the tensor the compiled code receives, and duck sizing is off while dynamo
@@ -78,7 +84,7 @@ def compile_vae_decoder(decoder: torch.nn.Module, mode: str, tuning: str) -> Non
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
-    compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(mode, tuning))
+    compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(*DECODER_COMPILE))
 
     def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         torch._dynamo.mark_static(sample, 0)
