@@ -177,7 +177,25 @@ def load_component(source: Source, name: str, dtype: torch.dtype, device: torch.
         kwargs[_TRANSFORMERS_DTYPE_KWARG] = dtype
     else:
         kwargs["torch_dtype"] = dtype
-    return cls.from_pretrained(folder, **kwargs).to(device).eval()
+    with no_loading_bars():
+        model = cls.from_pretrained(folder, **kwargs)
+    return model.to(device).eval()
+
+
+@contextmanager
+def no_loading_bars() -> Iterator[None]:
+    """Without transformers' and diffusers' progress bars (transformers draws one per component as
+    its weights load): the job's own log says what it loaded."""
+    libraries = (transformers.utils.logging, diffusers_logging)
+    enabled = [library.is_progress_bar_enabled() for library in libraries]
+    for library in libraries:
+        library.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for library, was in zip(libraries, enabled):
+            if was:
+                library.enable_progress_bar()
 
 
 # ---- random weights --------------------------------------------------------------------------
