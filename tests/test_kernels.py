@@ -429,7 +429,9 @@ def test_compiled_flux_blocks_are_traced_once(split):
     model = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
     with job_scope():
         torch._dynamo.reset()
-        apply_kernels(KernelsConfig(compile=True, compile_scope="blocks", split_proj_out=split), model, None, shapes=2)
+        report = apply_kernels(KernelsConfig(compile=True, compile_scope="blocks", split_proj_out=split), model, None,
+                               shapes=2)
+        assert report.get("split_proj_out_blocks", 0) == (len(model.transformer.single_transformer_blocks) if split else 0)
         x = StaticInputs.allocate(model.input_specs(32, 32), 1, torch.device("cpu")).view(1)
         for value in x.values():
             if value.is_floating_point():

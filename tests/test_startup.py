@@ -15,7 +15,7 @@ from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.guard import Interrupted
 from pipeline.job import run
-from pipeline.kernels import apply_kernels, check_kernels, compile_cache
+from pipeline.kernels import apply_kernels, check_kernels, compile_cache, output_kernels
 from pipeline.kernels.compile import JOB_CACHE, cache_directory, compile_options, not_reproducible
 from pipeline.kernels.residual import compiled_functions
 from pipeline.models import build_model
@@ -65,6 +65,11 @@ def test_fixed_tuning_is_inductors_deterministic_mode_and_timed_tuning_is_report
     assert not_reproducible(KernelsConfig(compile=True, fuse_residual=True, compile_scope="norms")) is None
     assert not_reproducible(KernelsConfig(compile=True, compile_dynamic=False)) is None
     assert "first shape" in not_reproducible(KernelsConfig(compile=True, compile_scope="blocks"))
+    # the decoder compiles with fixed tuning whatever the job's: its compile alone is reproducible, and
+    # the transformer's mode and tuning do not change the digest of a job that compiles the decoder only
+    decoder_only = KernelsConfig(compile_decoder=True, compile_mode="coordinate-descent", compile_tuning="timed")
+    assert not_reproducible(decoder_only) is None
+    assert output_kernels(decoder_only) == output_kernels(KernelsConfig(compile_decoder=True))
 
     tiny = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     report = apply_kernels(KernelsConfig(compile=True, compile_scope="blocks", compile_tuning="timed"), tiny, None, shapes=1)

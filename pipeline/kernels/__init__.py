@@ -163,8 +163,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
         if kernels.compile_scope != "model":  # keys added later count only away from their default
             out["compile_scope"] = kernels.compile_scope
     if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
-        out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, compile_mode=kernels.compile_mode)
-    if kernels.compile or kernels.compile_decoder:  # counted at its default too: a digest without it was made by timed kernels
+        out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, decoder_compile=list(decoder.DECODER_COMPILE))
+    if kernels.compile:  # counted at its default too: a digest without it was made by timed kernels
         out["compile_tuning"] = kernels.compile_tuning
     return out
 

@@ -56,19 +56,20 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
 
 
 def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
-    """Compile this adapter's transformer (kernels.compile) -> the compile settings the job reports
-    (also those of the decoder's compile, kernels.compile_decoder: the mode, the tuning, the cache
-    directory, and whether every process runs the same kernels: `reproducible`, with the reason
-    when not)."""
+    """Compile this adapter's transformer (kernels.compile) -> the compile settings the job reports:
+    the cache directory and whether every process runs the same kernels (`reproducible`, with the
+    reason when not), also for the decoder's compile alone (kernels.compile_decoder, which has its
+    own mode and tuning: pipeline.kernels.decoder); with kernels.compile, the transformer's mode,
+    tuning, shapes and scope."""
     report: dict = {}
     if kernels.compile or kernels.compile_decoder:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         why = not_reproducible(kernels)
-        report.update(compile_mode=kernels.compile_mode, compile_tuning=kernels.compile_tuning,
-                      compile_cache_dir=cache_dir(), reproducible=why is None, **({"not_reproducible": why} if why else {}))
+        report.update(compile_cache_dir=cache_dir(), reproducible=why is None, **({"not_reproducible": why} if why else {}))
     if kernels.compile:
-        report.update(compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
+        report.update(compile_mode=kernels.compile_mode, compile_tuning=kernels.compile_tuning,
+                      compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
         compile_transformer(adapter.transformer, kernels.compile_mode, kernels.compile_tuning, shapes,
                             kernels.compile_dynamic, kernels.compile_scope)
     return report
@@ -77,12 +78,13 @@ def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
 def not_reproducible(kernels: KernelsConfig) -> str | None:
     """Why this job's compiled kernels may differ between its processes (and so images by rounding),
     or None where every process runs the same (see the module's docstring)."""
-    if kernels.compile_tuning == "timed":
+    if kernels.compile and kernels.compile_tuning == "timed":  # the decoder's compile is never timed
         return ("kernels.compile_tuning=timed: inductor times candidate block sizes in the process that compiles a "
                 "kernel, and another process may time others faster; processes that load this job's compile cache "
-                "(a resume on the same GPU) run the same kernels, those that compile for themselves (shards that "
-                "start together or run on other GPUs, jobs with another cache) may make images that differ by "
-                "rounding; kernels.compile_tuning=fixed makes them the same")
+                "(a resume on the same GPU) run the kernels it holds the choices of, though a few are timed again, "
+                "and those that compile for themselves (shards that start together or run on other GPUs, jobs with "
+                "another cache) may make images that differ by rounding; kernels.compile_tuning=fixed makes them "
+                "the same")
     if kernels.compile and kernels.compile_dynamic and kernels.compile_scope != "norms":
         return (f"kernels.compile_scope={kernels.compile_scope} with compile_dynamic=true: the block sizes follow the "
                 "sizes of the first shape compiled, which differ between shards that start together or run on other "
