@@ -16,7 +16,7 @@ from conftest import cpu_job, model_config, png
 from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.config import KernelsConfig
-from pipeline.kernels import apply_kernels
+from pipeline.kernels import apply_kernels, norm, residual
 from pipeline.models import build_model
 from pipeline.precision import apply_precision
 
@@ -79,8 +79,9 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
     plain, fused = (build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16) for _ in range(2))
     for model in (plain, fused):
         model.transformer.load_state_dict(exact.transformer.state_dict())
-    apply_kernels(KernelsConfig(attention="cudnn", fuse_residual=True, compile=True, compile_scope="norms",
-                                compile_mode="coordinate-descent"), fused, key, shapes=4)
+    report = apply_kernels(KernelsConfig(attention="cudnn", fuse_residual=True, compile=True, compile_scope="norms",
+                                         compile_mode="coordinate-descent"), fused, key, shapes=4)
+    assert report["residual_norm"] == norm.SETTING
     x = random_inputs(fused, key, 3)
     with torch.no_grad():
         truth = exact.guided_eps({k: v.float() if v.is_floating_point() else v for k, v in x.items()})
@@ -89,6 +90,23 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
     print(f"bf16 step vs fp32 step, relative error: {error}")
     assert error["fused"] <= 1.25 * error["diffusers"], error
     assert_replay_equals_eager(fused, key)
+
+
+def test_fixed_norm_kernel_rounds_as_the_eager_norm_and_a_row_does_not_depend_on_its_batch():
+    """kernels=fast's layer norm on CUDA (pipeline/kernels/norm.py) at PixArt-Sigma's width: within one
+    bf16 rounding of the eager norm; a row's bytes the same whichever rows are normalized with it (a
+    bucket, a shard, a resumed batch), and the same on a second call."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows = torch.randn(1003, 1152, generator=gen, device="cuda").to(torch.bfloat16)
+    pending = torch.randn(1152, generator=gen, device="cuda") * 0.1
+    modulation = (torch.randn(2, 1152, generator=gen, device="cuda") * 0.2).to(torch.bfloat16)
+    out = norm.modulated_norm(rows, pending, modulation, 1e-6)
+    eager = residual.modulated_norm(rows, pending, modulation, 1e-6)
+    assert out.dtype == torch.bfloat16 and out.shape == rows.shape
+    assert torch.allclose(out.float(), eager.float(), rtol=2 ** -7, atol=2 ** -9)
+    assert torch.equal(out, norm.modulated_norm(rows, pending, modulation, 1e-6))
+    for start, stop in ((0, 1), (0, 37), (5, 905), (1000, 1003)):
+        assert torch.equal(norm.modulated_norm(rows[start:stop], pending, modulation, 1e-6), out[start:stop]), (start, stop)
 
 
 def test_attention_backend_is_applied_and_reported(tmp_path, demo):

@@ -6,7 +6,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - qkv: kernels.fuse_qkv
 - gelu: kernels.fuse_gelu
 - concat: kernels.split_proj_out
-- residual: kernels.fuse_residual
+- residual: kernels.fuse_residual (norm: its layer norm's Triton kernel on CUDA)
 - fp8: kernels.fp8
 - compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
 - decoder: kernels.compile_decoder, kernels.decode_chunk
@@ -27,7 +27,7 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import attention, compile, concat, decoder, fp8, gelu, qkv, residual, text
+from pipeline.kernels import attention, compile, concat, decoder, fp8, gelu, norm, qkv, residual, text
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
@@ -158,6 +158,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
     for key in ("fuse_qkv", "fp8", "fuse_gelu", "split_proj_out", "fuse_residual", "trim_text_padding"):  # switches count only when on
         if getattr(kernels, key):
             out[key] = True
+    if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
+        out["residual_norm"] = norm.SETTING
     if kernels.compile:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default

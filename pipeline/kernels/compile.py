@@ -13,8 +13,10 @@ Why two processes can run different kernels, and what keeps them the same:
   descent, autotuning): timing noise can choose differently in another process. `fixed` (inductor's
   deterministic mode) chooses from the kernel's sizes alone.
 - With symbolic sizes, "the kernel's sizes" are the hints of the first call: a process that
-  compiles for itself at another first shape (a shard) generates another kernel. The compiled layer
-  norm (`compile_scope=norms`) is given a fixed row-count hint (residual.NORM_ROWS_HINT) instead.
+  compiles for itself at another first shape (a shard) generates another kernel. Under
+  `compile_scope=norms` the layer norm on CUDA is no compiled kernel but a Triton kernel whose block
+  sizes are constants (pipeline/kernels/norm.py); compiled elsewhere, it is given a fixed row-count
+  hint (residual.NORM_ROWS_HINT).
 - What one process compiled and tuned lands in the job's cache (`compile_cache`), which the job's
   later processes on the same device load, choices included (inductor's keys name the device).
 """
@@ -112,7 +114,8 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     for key, value in TRACED_ONCE.items():
         setattr(dynamo_config, key, value)
     if scope == "norms":  # kernels.fuse_residual's block, with its one fusable kernel compiled
-        residual.fuse_residual(transformer, *residual.compiled_functions(dynamic, how, compile_options("default", tuning)))
+        device = next(transformer.parameters()).device
+        residual.fuse_residual(transformer, *residual.compiled_functions(device, dynamic, how, compile_options("default", tuning)))
     elif dynamic:
         broadcast_attention_masks(transformer)
     if scope == "blocks":

@@ -14,8 +14,10 @@ matmul's epilogue), which needs two rewrites of the same math:
   projection (folded into its bias: `b_q + W_q @ pending`) and the final layer norm.
 
 What is left outside the matmuls and attention is one kernel per layer norm, LN(h + pending) *
-(1 + scale) + shift, and the block's per-step constants (its modulation, gated weights, carried
-biases), which depend on the timestep and the weights only: both compiled once for every shape
+(1 + scale) + shift: on CUDA a Triton kernel with fixed block sizes (pipeline/kernels/norm.py: the same
+bytes in every process, nothing tuned at start), elsewhere `modulated_norm` (compiled with
+`compile_scope=norms`); and the block's per-step constants (its modulation, gated weights, carried
+biases), which depend on the timestep and the weights only, compiled once for every shape
 (`kernels.compile`, `compile_scope=norms`). The patch embedding's convolution writes channels-last,
 so the tokens reach the first block contiguous (no strided add of the position embedding, no copy).
 
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
+from pipeline.kernels import norm as fixed_norm
 from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,19 @@ def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
     -> {"fused_residual_blocks": n} when on, else {}."""
     if not kernels.fuse_residual:
         return {}
-    blocks = fuse_residual(adapter.transformer)
-    log.info("kernels: the residual adds of %d blocks inside their matmuls", blocks)
-    if not kernels.compile and adapter.device.type == "cuda":
-        log.warning("kernels: fuse_residual without kernels.compile runs its layer norms as separate fp32 ops "
-                    "(more passes, fp32 temporaries); kernels.compile=true kernels.compile_scope=norms fuses them")
-    return {"fused_residual_blocks": blocks}
+    blocks = fuse_residual(adapter.transformer, norm_kernel(adapter.device))
+    cuda = adapter.device.type == "cuda"
+    log.info("kernels: the residual adds of %d blocks inside their matmuls, layer norms by %s", blocks,
+             f"the Triton kernel {fixed_norm.SETTING}" if cuda else "PyTorch's ops")
+    if not kernels.compile and cuda:
+        log.warning("kernels: fuse_residual without kernels.compile computes each block's per-step constants "
+                    "with separate small ops; kernels.compile=true kernels.compile_scope=norms fuses them")
+    return {"fused_residual_blocks": blocks, "residual_norm": fixed_norm.SETTING if cuda else "eager"}
+
+
+def norm_kernel(device: torch.device) -> NormFn:
+    """The layer norm on this device: the fixed Triton kernel on CUDA, else modulated_norm."""
+    return fixed_norm.modulated_norm if device.type == "cuda" else modulated_norm
 
 
 def modulated_norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,13 +98,22 @@ def block_constants(table: torch.Tensor, step: torch.Tensor, pending: torch.Tens
             torch.stack((scale_mlp, shift_mlp)), ff_out * gate_mlp[:, None], before_ff + ff_out_bias.float() * gate_mlp.float())
 
 
-def compiled_functions(dynamic: bool, options: dict, constants_options: dict) -> tuple[NormFn, ConstantsFn]:
-    """modulated_norm and block_constants compiled with inductor (`options`, `constants_options`:
-    torch.compile's keywords for each). `dynamic`: one compilation of the norm for every row count,
-    the channel count fixed (a symbolic one would cost the kernel its one-pass reduction over the row,
-    docs/BENCHMARKS.md), its kernel generated for NORM_ROWS_HINT rows whatever row count comes first;
-    else one per row count. The constants have one shape per model: one compilation, with inductor's
-    default mode (its kernels are tiny: tuning them would lengthen the compile and save nothing)."""
+def compiled_functions(device: torch.device, dynamic: bool, options: dict,
+                       constants_options: dict) -> tuple[NormFn, ConstantsFn]:
+    """The norm and block_constants for compile_scope=norms on this device: block_constants compiled
+    with inductor (`constants_options`: torch.compile's keywords; one shape per model, so one
+    compilation, in inductor's default mode: its kernels are tiny, tuning them would lengthen the
+    compile and save nothing); the norm, on CUDA the fixed Triton kernel (norm_kernel), elsewhere
+    compiled_norm(dynamic, options)."""
+    constants = torch.compile(block_constants, dynamic=False, fullgraph=True, **constants_options)
+    return norm_kernel(device) if device.type == "cuda" else compiled_norm(dynamic, options), constants
+
+
+def compiled_norm(dynamic: bool, options: dict) -> NormFn:
+    """modulated_norm compiled with inductor (`options`: torch.compile's keywords). `dynamic`: one
+    compilation for every row count, the channel count fixed (a symbolic one would cost the kernel
+    its one-pass reduction over the row), its kernel generated for NORM_ROWS_HINT rows whatever row
+    count comes first; else one per row count."""
     compiled = torch.compile(modulated_norm, dynamic=None if dynamic else False, fullgraph=True, **options)
 
     def norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,7 +121,7 @@ def compiled_functions(dynamic: bool, options: dict, constants_options: dict) ->
             torch._dynamo.mark_dynamic(rows, 0, hint_override=NORM_ROWS_HINT)
         return compiled(rows, pending, modulation, eps)
 
-    return norm, torch.compile(block_constants, dynamic=False, fullgraph=True, **constants_options)
+    return norm
 
 
 class ResidualStream:
@@ -122,7 +141,8 @@ class ResidualStream:
 def fuse_residual(transformer: torch.nn.Module, norm: NormFn = modulated_norm,
                   constants: ConstantsFn = block_constants) -> int:
     """Replace the forward of every block of a PixArt transformer (and its final layer norm) as
-    described above, on those module instances (their classes keep diffusers' forward); `norm`, `constants`: modulated_norm and block_constants or their compiled forms
+    described above, on those module instances (their classes keep diffusers' forward); `norm`,
+    `constants`: modulated_norm (or its Triton kernel, norm_kernel) and block_constants, or their compiled forms
     -> blocks changed. Refused (naming the module and what is accepted) where the block is not the one
     this reproduces."""
     blocks = list(getattr(transformer, "transformer_blocks", []))
