@@ -12,8 +12,7 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
 - `compile`: bf16, the transformer's repeated blocks compiled (kernels=compiled: kernels.compile,
   compile_scope=blocks, dynamic shapes, fixed tuning), replayed from our graphs;
 - `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
-  makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `split`
-  (kernels.split_proj_out: the single blocks' output projection without the concatenation), `autotune`
+  makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
@@ -92,7 +91,6 @@ VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the d
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
-         "split": {"split_proj_out": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
          "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}

@@ -122,10 +122,6 @@ class KernelsConfig:
     # The feed-forward's up-projection, bias and tanh GELU as one cuBLASLt matmul with a GELU epilogue
     # (CUDA): one pass less over the widest activation; GELU rounds once, from the fp32 accumulator.
     fuse_gelu: bool = False
-    # Flux: each single-stream block's output projection as two matmuls, over the attention output
-    # and over the MLP output, the second adding into the first's (cuBLAS), instead of one matmul over
-    # their concatenation: one copy of the widest activation less per block. Rounds differently.
-    split_proj_out: bool = False
     # PixArt: each block's residual adds done by the matmuls (cuBLAS adds into the residual stream;
     # the gates folded into the weights once per step, the biases carried to the next layer norm):
     # three elementwise passes less per block. Needs compile_scope=norms with kernels.compile.

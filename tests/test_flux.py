@@ -149,23 +149,3 @@ def test_auto_ladder_and_shards_serve_flux_like_any_family(tmp_path):
         run(cpu_job(manifest, tmp_path / "shards", *args, f"shard.index={index}", "shard.count=2"))
     assert sorted(p.name for p in (tmp_path / "shards" / "images").iterdir()) == ["a.png", "b.png", "c.png"]
     assert (tmp_path / "shards" / "_SUCCESS").exists()
-
-
-def test_split_output_projection_gives_the_images_of_the_concatenation(tmp_path):
-    """kernels.split_proj_out: the single blocks' proj_out as two matmuls gives the same images in
-    fp32 (the same sum, rounded in another order), says how many blocks it changed, and is refused
-    on a family without Flux's single blocks and with float8 layers, naming the setting."""
-    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 96, 64, 2)))
-    args = ("model=tiny_flux", "bcg.scope=step", f"sampler.steps={STEPS}")
-    run(cpu_job(manifest, tmp_path / "cat", *args))
-    report = run(cpu_job(manifest, tmp_path / "split", *args, "kernels.split_proj_out=true"))
-    flux_blocks = job_config("model=tiny_flux", "manifest.path=m", "output.dir=o").model
-    assert report["kernels"]["split_proj_out_blocks"] == build_model(flux_blocks, CPU, torch.float32) \
-        .transformer.config.num_single_layers
-    for name in ("a.png", "b.png"):
-        cat, split = png(tmp_path / "cat" / "images" / name), png(tmp_path / "split" / "images" / name)
-        assert cat.shape == split.shape and int(abs(cat.astype(int) - split.astype(int)).max()) <= 1
-    with pytest.raises(UserError, match=r"kernels.split_proj_out=true: .*\['flux'\].*'pixart'"):
-        run(cpu_job(manifest, tmp_path / "pixart", "kernels.split_proj_out=true"))
-    with pytest.raises(UserError, match=r"kernels.split_proj_out=true .*cannot be combined with kernels.fp8=true"):
-        run(cpu_job(manifest, tmp_path / "fp8", *args, "kernels.split_proj_out=true", "kernels.fp8=true"))

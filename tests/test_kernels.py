@@ -417,11 +417,9 @@ def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", [False, True])
-def test_compiled_flux_blocks_are_traced_once(split):
+def test_compiled_flux_blocks_are_traced_once():
     """Each compiled block kind is traced once: a second trace (float scalars left symbolic stop the
-    first) would be paid by every process of a job, a warm one too. So are the single blocks with
-    their output projection split (kernels.split_proj_out: one forward function for every block)."""
+    first) would be paid by every process of a job, a warm one too."""
     from torch._dynamo.utils import compilation_time_metrics
 
     from pipeline.process_state import job_scope
@@ -429,9 +427,7 @@ def test_compiled_flux_blocks_are_traced_once(split):
     model = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
     with job_scope():
         torch._dynamo.reset()
-        report = apply_kernels(KernelsConfig(compile=True, compile_scope="blocks", split_proj_out=split), model, None,
-                               shapes=2)
-        assert report.get("split_proj_out_blocks", 0) == (len(model.transformer.single_transformer_blocks) if split else 0)
+        apply_kernels(KernelsConfig(compile=True, compile_scope="blocks"), model, None, shapes=2)
         x = StaticInputs.allocate(model.input_specs(32, 32), 1, torch.device("cpu")).view(1)
         for value in x.values():
             if value.is_floating_point():
