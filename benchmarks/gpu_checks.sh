@@ -43,6 +43,8 @@
 #                                                # two concurrent shards' images against one process's, and two jobs
 #                                                # under compile_tuning=timed compared (images, tuned block sizes)
 #                                                # (STARTUP_ARGS="--limit 200" etc. replace "--timed")
+#   bash benchmarks/gpu_checks.sh norm           # bench_norm.py: kernels.fuse_residual's layer norm per kernel (its Triton
+#                                                # kernel's block sizes, inductor's fixed and timed) at PixArt-Sigma's row counts
 #   bash benchmarks/gpu_checks.sh micro          # SDPA as the step calls it (views, masked cross-attention), GELU and
 #                                                # residual epilogues, matmul rates
 #   DECODE_ARGS="--variants nchw compile chunked" bash benchmarks/gpu_checks.sh decode
@@ -218,6 +220,11 @@ micro() {
   echo "== micro"; rc $micro_rc; grep -vE "warn|^\s*$|\"\"\"" "$BENCH_OUT/bench_micro.log" | tail -14 | cut -c1-250
 }
 
+norm() {
+  timeout -s KILL ${NORM_LIMIT:-150} python3 benchmarks/bench_norm.py --out "$BENCH_OUT/bench_norm.json" > "$BENCH_OUT/bench_norm.log" 2>&1; norm_rc=$?
+  echo "== norm"; rc $norm_rc; grep -A20 "^| variant" "$BENCH_OUT/bench_norm.log" | cut -c1-250; tail_if_failed $norm_rc "$BENCH_OUT/bench_norm.log"
+}
+
 decode() {
   timeout -s KILL ${DECODE_LIMIT:-60} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$BENCH_OUT/bench_decode.json" > "$BENCH_OUT/bench_decode.log" 2>&1; decode_rc=$?
   echo "== decode"; rc $decode_rc; grep -E "^\||VAE|Error" "$BENCH_OUT/bench_decode.log"
@@ -312,6 +319,7 @@ for what in "${@:-cuda-tests}"; do
     compile-cache) compile_cache ;;
     startup) startup ;;
     micro) micro ;;
+    norm) norm ;;
     decode) decode ;;
     decoder-warm) decoder_warm ;;
     recompiles) recompiles ;;
