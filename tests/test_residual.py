@@ -113,6 +113,18 @@ def test_settings_that_would_change_the_fused_block_are_refused(kernels, match):
         check_kernels(kernels, "pixart")
 
 
+def test_a_cuda_job_without_triton_is_refused_before_the_model_is_built(monkeypatch):
+    """On CUDA the fused block's layer norm is a Triton kernel: without the package the job stops at its
+    check, naming the package and the setting to change, not at the first norm of its warm-up."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(UserError, match=r"triton package is not installed .* set kernels.fuse_residual=false"):
+        check_kernels(KernelsConfig(fuse_residual=True), "pixart", torch.device("cuda"))
+    check_kernels(KernelsConfig(fuse_residual=True), "pixart", torch.device("cpu"))  # the CPU's norm is PyTorch's
+
+
 def test_other_models_and_changed_blocks_are_refused_by_name():
     with pytest.raises(UserError, match=r"PixArt's \(model families \['pixart'\]\); this model is 'sd3'"):
         check_kernels(KernelsConfig(fuse_residual=True), "sd3")

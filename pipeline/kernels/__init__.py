@@ -98,7 +98,7 @@ NEEDS_CUDA: dict[Option, str] = {
 }
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
-CHECKS = (attention.check, compile.check, decoder.check, fp8.check)
+CHECKS = (attention.check, compile.check, decoder.check, fp8.check, residual.check)
 
 
 def check_kernels(kernels: KernelsConfig, family: str | None = None, device: torch.device | None = None) -> None:

@@ -14,8 +14,11 @@ when the kernel is first asked for.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
+
+from pipeline.errors import UserError
 
 # A program normalizes up to ROWS_PER_PROGRAM rows (fewer where the rows are wider than
 # TILE / next_power_of_2(channels)) with WARPS warps, for every row count: a row's reduction order
@@ -24,6 +27,14 @@ ROWS_PER_PROGRAM = 4
 WARPS = 4
 TILE = 8192  # values per program, at most
 SETTING = f"triton-rows{ROWS_PER_PROGRAM}-warps{WARPS}"  # in the job's kernel digest: another setting, other bytes
+
+
+def check_triton() -> None:
+    """Triton importable (PyTorch's CUDA wheels bring it), or a refusal naming the way out."""
+    if importlib.util.find_spec("triton") is None:
+        raise UserError("kernels.fuse_residual=true on a CUDA device runs its layer norm as a Triton kernel, and the "
+                        "triton package is not installed (PyTorch's CUDA wheels bring it: pip install triton); "
+                        "or set kernels.fuse_residual=false kernels.compile_scope=blocks")
 
 
 @functools.cache

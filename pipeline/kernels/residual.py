@@ -52,6 +52,12 @@ NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tenso
 ConstantsFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
+def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+    """On a CUDA device, the layer norm's Triton kernel can be built, or a refusal."""
+    if kernels.fuse_residual and device is not None and torch.device(device).type == "cuda":
+        fixed_norm.check_triton()
+
+
 def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
     """The fused block with eager layer norms (compile_scope=norms compiles them, pipeline.kernels.compile)
     -> {"fused_residual_blocks": n} when on, else {}."""
