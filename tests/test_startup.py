@@ -17,7 +17,7 @@ from pipeline.guard import Interrupted
 from pipeline.job import run
 from pipeline.kernels import apply_kernels, check_kernels, compile_cache, output_kernels
 from pipeline.kernels.compile import JOB_CACHE, cache_directory, compile_options, not_reproducible
-from pipeline.kernels.residual import compiled_functions
+from pipeline.kernels.residual import compiled_norm
 from pipeline.models import build_model
 from pipeline.report import RunReport
 from pipeline.stats import STOP_AFTER_BATCHES
@@ -51,6 +51,7 @@ def test_a_compiling_job_keeps_its_compile_cache_hidden_under_output_dir(tmp_pat
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         assert cache_dir() == str((out / ".cache/inductor").resolve())  # where inductor writes
+        assert os.environ["TRITON_CACHE_DIR"] == str((out / ".cache/inductor/triton").resolve())  # and Triton
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
     with compile_cache(KernelsConfig(), out):
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
@@ -171,13 +172,13 @@ def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_s
 
 @pytest.mark.slow
 def test_the_compiled_layer_norm_is_one_kernel_whatever_row_count_comes_first(tmp_path):
-    """fuse_residual's dynamic norm is generated for a fixed row-count hint: two processes whose first
-    batches differ (shards, jobs) generate the same code."""
+    """fuse_residual's dynamic norm, compiled off CUDA, is generated for a fixed row-count hint: two
+    processes whose first batches differ (shards, jobs) generate the same code."""
     generated = []
     for first_rows, cache in ((32, "a"), (4096, "b")):
         torch._dynamo.reset()
         with compile_cache(KernelsConfig(compile=True, compile_cache_dir=str(tmp_path / cache)), tmp_path):
-            norm, _ = compiled_functions(True, compile_options("default", "fixed"), compile_options("default", "fixed"))
+            norm = compiled_norm(True, compile_options("default", "fixed"))
             norm(torch.randn(first_rows, 16), torch.zeros(16), torch.zeros(2, 16), 1e-6)
         code = [p.read_text().splitlines() for p in (tmp_path / cache).rglob("*.py")]
         # less the line that numbers the compiles of this process

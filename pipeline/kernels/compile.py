@@ -113,7 +113,7 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
     for key, value in TRACED_ONCE.items():
         setattr(dynamo_config, key, value)
-    if scope == "norms":  # kernels.fuse_residual's block, with its one fusable kernel compiled
+    if scope == "norms":  # kernels.fuse_residual's block, its per-step constants compiled (and off CUDA its norm)
         device = next(transformer.parameters()).device
         residual.fuse_residual(transformer, *residual.compiled_functions(device, dynamic, how, compile_options("default", tuning)))
     elif dynamic:
@@ -173,19 +173,17 @@ def cache_directory(kernels: KernelsConfig, out_dir: Path) -> Path | None:
 
 @contextmanager
 def compile_cache(kernels: KernelsConfig, out_dir: Path):
-    """Inductor's on-disk caches (FX graphs, AOT autograd, Triton kernels, the tuned block sizes
-    next to each kernel) in `cache_directory` while the block runs, then the environment as it was:
-    the next job of the same process (a Hydra sweep) gets its own. A job that compiles nothing
-    leaves the environment alone. Inductor sets Triton's directory inside its own at the first
-    compile, so a Triton directory inside the old one follows the move. Says at the start when the
-    job's processes may run different kernels (`not_reproducible`)."""
+    """Inductor's on-disk caches (FX graphs, AOT autograd, the tuned block sizes next to each kernel)
+    and Triton's (its compiled kernels: inductor's, and kernels=fast's layer norm, which runs before
+    any compile) in `cache_directory` while the block runs, then the environment as it was: the next
+    job of the same process (a Hydra sweep) gets its own. A job that compiles nothing leaves the
+    environment alone. Says at the start when the job's processes may run different kernels
+    (`not_reproducible`)."""
     directory = cache_directory(kernels, out_dir)
     with saved_environ():
         if directory is not None:
-            old, triton = (os.environ.get(name) for name in CACHE_ENV)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
-            if old and triton and triton.startswith(old):
-                del os.environ["TRITON_CACHE_DIR"]
+            os.environ["TRITON_CACHE_DIR"] = str(directory / "triton")
             log.info("kernels: inductor's cache in %s (the job's next process loads what this one compiles)", directory)
             why = not_reproducible(kernels)
             if why:

@@ -20,13 +20,14 @@ import torch
 
 from pipeline.errors import UserError
 
-# A program normalizes up to ROWS_PER_PROGRAM rows (fewer where the rows are wider than
-# TILE / next_power_of_2(channels)) with WARPS warps, for every row count: a row's reduction order
-# depends on both and on the channel count only. Chosen from bench_norm.py's sweep (docs/BENCHMARKS.md).
+# A program normalizes ROWS_PER_PROGRAM rows with WARPS warps, for every row count: a row's reduction
+# order depends on those and on the channel count only. Fewer rows (down to one) where
+# ROWS_PER_PROGRAM rows of next_power_of_2(channels) values would exceed TILE values. Chosen from
+# bench_norm.py's sweep (docs/BENCHMARKS.md).
 ROWS_PER_PROGRAM = 4
 WARPS = 4
-TILE = 8192  # values per program, at most
-SETTING = f"triton-rows{ROWS_PER_PROGRAM}-warps{WARPS}"  # in the job's kernel digest: another setting, other bytes
+TILE = 8192
+SETTING = f"triton-rows{ROWS_PER_PROGRAM}-warps{WARPS}-tile{TILE}"  # in the job's kernel digest: another setting, other bytes
 
 
 def check_triton() -> None:
@@ -34,7 +35,7 @@ def check_triton() -> None:
     if importlib.util.find_spec("triton") is None:
         raise UserError("kernels.fuse_residual=true on a CUDA device runs its layer norm as a Triton kernel, and the "
                         "triton package is not installed (PyTorch's CUDA wheels bring it: pip install triton); "
-                        "or set kernels.fuse_residual=false kernels.compile_scope=blocks")
+                        "or set kernels.fuse_residual=false kernels.compile=false (inductor's kernels need triton too)")
 
 
 @functools.cache
@@ -70,11 +71,15 @@ def modulated_norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.
     kernel's fixed block sizes (a benchmark's to vary)."""
     kernel, next_power_of_2, cdiv = _kernel()
     n_rows, n_cols = rows.shape
-    if not (rows.is_contiguous() and modulation.is_contiguous() and pending.dtype == torch.float32):
-        raise ValueError("modulated_norm: rows and modulation must be contiguous, pending fp32")
+    if (pending.shape != (n_cols,) or modulation.shape != (2, n_cols) or pending.dtype != torch.float32
+            or not (rows.is_contiguous() and pending.is_contiguous() and modulation.is_contiguous())
+            or not rows.device == pending.device == modulation.device):
+        raise ValueError(f"modulated_norm: rows [M, C] with pending [C] fp32 and modulation [2, C], contiguous, on one "
+                         f"device; got {tuple(rows.shape)}, {tuple(pending.shape)} {pending.dtype}, {tuple(modulation.shape)}")
     block_cols = next_power_of_2(n_cols)
     per_program = max(1, min(rows_per_program, TILE // block_cols))
     out = torch.empty_like(rows)
-    kernel[(cdiv(n_rows, per_program),)](rows, pending, modulation, out, n_rows, n_cols, eps,
-                                         BLOCK_COLS=block_cols, ROWS=per_program, num_warps=warps)
+    with torch.cuda.device(rows.device):
+        kernel[(cdiv(n_rows, per_program),)](rows, pending, modulation, out, n_rows, n_cols, eps,
+                                             BLOCK_COLS=block_cols, ROWS=per_program, num_warps=warps)
     return out

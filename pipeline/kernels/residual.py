@@ -10,7 +10,7 @@ matmul's epilogue), which needs two rewrites of the same math:
   the same denoising step, so one gate serves them all: the block reads the modulation of row 0.
 - The out-projection's bias is a vector, which the in-place matmul cannot add. It is carried
   instead: the residual stream lacks `pending`, a [C] fp32 vector, and every reader of the stream
-  adds it back: the layer norms (inside their one compiled kernel), the cross-attention's query
+  adds it back: the layer norms (inside their one kernel), the cross-attention's query
   projection (folded into its bias: `b_q + W_q @ pending`) and the final layer norm.
 
 What is left outside the matmuls and attention is one kernel per layer norm, LN(h + pending) *
@@ -59,8 +59,10 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
 
 
 def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """The fused block with eager layer norms (compile_scope=norms compiles them, pipeline.kernels.compile)
-    -> {"fused_residual_blocks": n} when on, else {}."""
+    """The fused block, its layer norms the Triton kernel on CUDA and PyTorch's ops elsewhere, its
+    per-step constants uncompiled (compile_scope=norms compiles them, and off CUDA the norms:
+    pipeline.kernels.compile) -> {"fused_residual_blocks": n, "residual_norm": the norm's kernel} when
+    on, else {}."""
     if not kernels.fuse_residual:
         return {}
     blocks = fuse_residual(adapter.transformer, norm_kernel(adapter.device))
