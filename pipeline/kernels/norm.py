@@ -2,10 +2,11 @@
 LN(rows + pending) * (1 + scale) + shift, in fp32, rounded once to the rows' dtype
 (residual.modulated_norm is its definition).
 
-Inductor generates the same one-pass kernel, but picks its rows per program and warps when it first
-runs: timed (compile_tuning=timed) they differ between processes, and with them a row's reduction
-order; untimed (fixed) they follow a heuristic that is slower at these sizes (docs/BENCHMARKS.md).
-Here they are constants: every process, every batch size and every shard reduces a row in the same
+Inductor generates a one-pass kernel of the same math, but picks its rows per program and warps when
+it first runs: timed (compile_tuning=timed) they can differ between processes, and with them a row's
+reduction order; untimed (fixed) they follow a heuristic that reads the first call's sizes. Compiled
+alone, its kernel was slower at PixArt-Sigma's sizes either way (docs/BENCHMARKS.md). Here they are
+constants: every process, every batch size and every shard reduces a row in the same
 order, so the bytes are the same, and nothing is compiled by inductor or timed at start (Triton
 compiles it once per process, from its own cache when warm). CUDA only; the module imports Triton
 when the kernel is first asked for.
