@@ -39,7 +39,7 @@ from pipeline.process_state import saved_environ
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # what compile_cache points at the job's cache
 JOB_CACHE = Path(".cache") / "inductor"  # under output.dir: a hidden folder, which dataset loaders skip
 # dynamo's settings under which a block or the VAE decoder is traced once: float scalars as constants
 # (theirs are: norm epsilons, attention and upsampling scales). Left symbolic, the pass that turns them
@@ -182,8 +182,9 @@ def compile_cache(kernels: KernelsConfig, out_dir: Path):
     directory = cache_directory(kernels, out_dir)
     with saved_environ():
         if directory is not None:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
-            os.environ["TRITON_CACHE_DIR"] = str(directory / "triton")
+            inductor_env, triton_env = CACHE_ENV
+            os.environ[inductor_env] = str(directory)
+            os.environ[triton_env] = str(directory / "triton")
             log.info("kernels: inductor's cache in %s (the job's next process loads what this one compiles)", directory)
             why = not_reproducible(kernels)
             if why:
