@@ -131,7 +131,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     # 5. What every output row records about how it was made, from the configs (no weights needed).
     fields = job_fields(cfg, setup.precision)
 
-    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir):
+    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir, setup.device):
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.

@@ -14,7 +14,7 @@ from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import apply_kernels, check_kernels, compile_stats
 from pipeline.kernels.attention import use_flash_attn
-from pipeline.kernels.residual import fuse_residual
+from pipeline.kernels.residual import fuse_residual, step_constants
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 from test_kernels import inputs
@@ -42,6 +42,30 @@ def test_fused_block_computes_diffusers_block():
     error = {name: float((step(torch.bfloat16, k) - truth).norm() / truth.norm())
              for name, k in (("diffusers", None), ("fused", fused))}
     assert error["fused"] <= 1.25 * error["diffusers"], error
+
+
+def test_every_blocks_constants_at_once_equal_the_block_by_block_chain():
+    """step_constants for L blocks in one call: each block's modulations and gates from its own
+    table, and the bias the stream lacks handed from block to block (zero into the first), as a
+    block-by-block loop computes them."""
+    torch.manual_seed(0)
+    blocks, c = 5, 16
+    step = torch.randn(6, c)
+    tables, cross_query = torch.randn(blocks, 6, c), torch.randn(blocks, c, c)
+    attn_b, query_b, cross_b, ff_b = (torch.randn(blocks, c) for _ in range(4))
+    attn_mod, gate_msa, query_bias, entry, before_ff, ff_mod, gate_mlp, exit = step_constants(
+        step, tables, attn_b, cross_query, query_b, cross_b, ff_b)
+    pending = torch.zeros(c)
+    for i in range(blocks):
+        shift_msa, scale_msa, g_msa, shift_mlp, scale_mlp, g_mlp = (tables[i] + step).unbind(0)
+        torch.testing.assert_close(entry[i], pending)
+        after_attn = pending + attn_b[i] * g_msa
+        torch.testing.assert_close(query_bias[i], cross_query[i] @ after_attn + query_b[i])
+        torch.testing.assert_close(before_ff[i], after_attn + cross_b[i])
+        pending = before_ff[i] + ff_b[i] * g_mlp
+        torch.testing.assert_close(exit[i], pending)
+        assert torch.equal(attn_mod[i], torch.stack((scale_msa, shift_msa))) and torch.equal(gate_msa[i], g_msa)
+        assert torch.equal(ff_mod[i], torch.stack((scale_mlp, shift_mlp))) and torch.equal(gate_mlp[i], g_mlp)
 
 
 def test_patch_embedding_hands_the_first_block_contiguous_tokens():

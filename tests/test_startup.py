@@ -42,6 +42,9 @@ def test_a_compiling_job_keeps_its_compile_cache_hidden_under_output_dir(tmp_pat
     assert cache_directory(KernelsConfig(), out) is None  # nothing compiles: torch's environment as it is
     assert cache_directory(KernelsConfig(compile=True), out) == (out / JOB_CACHE).resolve()
     assert cache_directory(KernelsConfig(compile_decoder=True), out) == (out / ".cache" / "inductor").resolve()
+    # kernels=fast compiles nothing, but on CUDA builds its layer norm's Triton kernel: kept with the job too
+    assert cache_directory(KernelsConfig(fuse_residual=True), out, "cuda") == (out / JOB_CACHE).resolve()
+    assert cache_directory(KernelsConfig(fuse_residual=True), out, "cpu") is None
     shared = tmp_path / "nightly-cache"
     assert cache_directory(KernelsConfig(compile=True, compile_cache_dir=str(shared)), out) == shared.resolve()
 

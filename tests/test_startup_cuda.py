@@ -1,7 +1,8 @@
 """kernels=fast on the GPU, each run in processes of its own: a job stopped after some batches and
 resumed in a new process, and a job run as two shard processes at once, give the bytes of one
-uninterrupted process (skipped without CUDA). The tiny model is PixArt's architecture, which
-kernels=fast (fuse_residual, its compiled layer norms) needs."""
+uninterrupted process (skipped without CUDA); the resumed process loads the layer norm's kernel from the
+job's cache instead of building it again. The tiny model is PixArt's architecture, which kernels=fast
+(fuse_residual, its Triton layer norm) needs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, rows, run_python, write_manifest
+from pipeline.kernels.compile import JOB_CACHE
 from pipeline.stats import STOP_AFTER_BATCHES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -53,12 +55,20 @@ def test_a_fast_job_stopped_and_resumed_in_a_new_process_gives_the_uninterrupted
     stopped = run_python(*job_args(manifest, out), env={STOP_AFTER_BATCHES: "2"}, timeout=600)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert 0 < len(images(out)) < len(MANIFEST)
+    built = triton_files(out)
+    assert built, "the stopped process left no kernel in the job's cache"
     resumed = run_python(*job_args(manifest, out), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = stats(out)
     assert report["images"]["skipped"] > 0
-    assert report["kernels"]["cache_hits"] >= 1 and report["kernels"]["cache_misses"] == 0  # the first process's
+    assert report["kernels"]["compile_cache_dir"] == str((out / JOB_CACHE).resolve())
+    assert triton_files(out) == built  # loaded, not built again
     assert images(out) == images(reference)
+
+
+def triton_files(out) -> set[str]:
+    """The kernels Triton keeps in the job's cache (one folder per kernel build)."""
+    return {str(p.relative_to(out)) for p in (out / JOB_CACHE / "triton").rglob("*") if p.is_file()}
 
 
 def test_two_fast_shard_processes_at_once_give_the_one_process_bytes(whole, tmp_path):

@@ -69,6 +69,8 @@ def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
 
         why = not_reproducible(kernels)
         report.update(compile_cache_dir=cache_dir(), reproducible=why is None, **({"not_reproducible": why} if why else {}))
+    elif builds_kernels(kernels, adapter.device):  # the Triton layer norm alone: fixed block sizes, nothing tuned
+        report.update(compile_cache_dir=os.environ.get(CACHE_ENV[0]), reproducible=True)
     if kernels.compile:
         report.update(compile_mode=kernels.compile_mode, compile_tuning=kernels.compile_tuning,
                       compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
@@ -163,29 +165,36 @@ def start_compile_workers(kernels: KernelsConfig, device: torch.device) -> bool:
     return True
 
 
-def cache_directory(kernels: KernelsConfig, out_dir: Path) -> Path | None:
-    """Where this job keeps what inductor compiles and tunes: kernels.compile_cache_dir, else the
-    job's own folder under output.dir (JOB_CACHE); None when the job compiles nothing."""
-    if not (kernels.compile or kernels.compile_decoder):
+def builds_kernels(kernels: KernelsConfig, device: torch.device | str | None) -> bool:
+    """Whether this job builds kernels a later process can load: an inductor compile, or
+    kernels.fuse_residual's Triton layer norm on a CUDA device."""
+    triton_norm = kernels.fuse_residual and device is not None and torch.device(device).type == "cuda"
+    return kernels.compile or kernels.compile_decoder or triton_norm
+
+
+def cache_directory(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None = None) -> Path | None:
+    """Where this job keeps the kernels it builds (`builds_kernels`) and the block sizes it tunes:
+    kernels.compile_cache_dir, else the job's own folder under output.dir (JOB_CACHE); None when it
+    builds none."""
+    if not builds_kernels(kernels, device):
         return None
     return Path(kernels.compile_cache_dir or Path(out_dir) / JOB_CACHE).expanduser().resolve()
 
 
 @contextmanager
-def compile_cache(kernels: KernelsConfig, out_dir: Path):
+def compile_cache(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None = None):
     """Inductor's on-disk caches (FX graphs, AOT autograd, the tuned block sizes next to each kernel)
-    and Triton's (its compiled kernels: inductor's, and kernels=fast's layer norm, which runs before
-    any compile) in `cache_directory` while the block runs, then the environment as it was: the next
-    job of the same process (a Hydra sweep) gets its own. A job that compiles nothing leaves the
-    environment alone. Says at the start when the job's processes may run different kernels
-    (`not_reproducible`)."""
-    directory = cache_directory(kernels, out_dir)
+    and Triton's (its compiled kernels: inductor's, and kernels.fuse_residual's layer norm on `device`)
+    in `cache_directory` while the block runs, then the environment as it was: the next job of the
+    same process (a Hydra sweep) gets its own. A job that builds no kernels leaves the environment
+    alone. Says at the start when the job's processes may run different kernels (`not_reproducible`)."""
+    directory = cache_directory(kernels, out_dir, device)
     with saved_environ():
         if directory is not None:
             inductor_env, triton_env = CACHE_ENV
             os.environ[inductor_env] = str(directory)
             os.environ[triton_env] = str(directory / "triton")
-            log.info("kernels: inductor's cache in %s (the job's next process loads what this one compiles)", directory)
+            log.info("kernels: the kernel cache in %s (the job's next process loads what this one builds)", directory)
             why = not_reproducible(kernels)
             if why:
                 log.warning("kernels: not the same kernels in every process: %s", why)

@@ -16,10 +16,12 @@ matmul's epilogue), which needs two rewrites of the same math:
 What is left outside the matmuls and attention is one kernel per layer norm, LN(h + pending) *
 (1 + scale) + shift: on CUDA a Triton kernel with fixed block sizes (pipeline/kernels/norm.py: the same
 bytes in every process, nothing tuned at start), elsewhere `modulated_norm` (compiled with
-`compile_scope=norms`); and the block's per-step constants (its modulation, gated weights, carried
-biases), which depend on the timestep and the weights only, compiled once for every shape
-(`kernels.compile`, `compile_scope=norms`). The patch embedding's convolution writes channels-last,
-so the tokens reach the first block contiguous (no strided add of the position embedding, no copy).
+`compile_scope=norms`); and the per-step constants (modulations, carried biases, the cross-attention
+query biases), which depend on the timestep and the weights only. The first block computes them for
+every block at once (`step_constants`, a dozen batched ops over the blocks' stacked parameters: no
+compile needed, nothing for inductor to set up in a new process); each block then gates its two
+out-projection weights. The patch embedding's convolution writes channels-last, so the tokens reach
+the first block contiguous (no strided add of the position embedding, no copy).
 
 The block adds into its input tensor, which PixArt's forward never reads again; it runs inference
 only (dropout skipped). Its caller must give every row the same timestep (our denoiser does: one
@@ -31,6 +33,7 @@ once to bf16, the sums round once instead of after each add.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -60,18 +63,15 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
 
 def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
     """The fused block, its layer norms the Triton kernel on CUDA and PyTorch's ops elsewhere, its
-    per-step constants uncompiled (compile_scope=norms compiles them, and off CUDA the norms:
-    pipeline.kernels.compile) -> {"fused_residual_blocks": n, "residual_norm": the norm's kernel} when
-    on, else {}."""
+    per-step constants batched over the blocks (compile_scope=norms compiles them, and off CUDA the
+    norms: pipeline.kernels.compile) -> {"fused_residual_blocks": n, "residual_norm": the norm's
+    kernel} when on, else {}."""
     if not kernels.fuse_residual:
         return {}
     blocks = fuse_residual(adapter.transformer, norm_kernel(adapter.device))
     cuda = adapter.device.type == "cuda"
     log.info("kernels: the residual adds of %d blocks inside their matmuls, layer norms by %s", blocks,
              f"the Triton kernel {fixed_norm.SETTING}" if cuda else "PyTorch's ops")
-    if not kernels.compile and cuda:
-        log.warning("kernels: fuse_residual without kernels.compile computes each block's per-step constants "
-                    "with separate small ops; kernels.compile=true kernels.compile_scope=norms fuses them")
     return {"fused_residual_blocks": blocks, "residual_norm": fixed_norm.SETTING if cuda else "eager"}
 
 
@@ -89,31 +89,83 @@ def modulated_norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.
     return (x * (1 + scale) + shift).to(rows.dtype)
 
 
-def block_constants(table: torch.Tensor, step: torch.Tensor, pending: torch.Tensor, attn_out: torch.Tensor,
-                    attn_out_bias: torch.Tensor, cross_query: torch.Tensor, cross_query_bias: torch.Tensor,
-                    cross_out_bias: torch.Tensor, ff_out: torch.Tensor, ff_out_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What one block needs at one step, from its weights, its modulation table [6, C], the step's
-    timestep embedding [6, C] and the bias the stream lacks on entry (`pending`, fp32) -> (norm1's
-    scale|shift, the gated attention out-projection weight, the cross-attention's query bias, the
-    pending bias at norm2, norm2's scale|shift, the gated feed-forward out-projection weight, the
-    pending bias on exit)."""
+@dataclass(frozen=True)
+class BlockStack:
+    """The blocks' parameters that the per-step constants read, each [L, ...] over the L blocks. The
+    blocks' own parameters are views of these (`stack_parameters`): no second copy of the weights."""
+
+    tables: torch.Tensor  # [L, 6, C] scale_shift_table
+    attn_out_bias: torch.Tensor  # [L, C]
+    cross_query: torch.Tensor  # [L, C, C] the cross-attention's query projection weight
+    cross_query_bias: torch.Tensor  # [L, C]
+    cross_out_bias: torch.Tensor  # [L, C]
+    ff_out_bias: torch.Tensor  # [L, C]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class StepConstants:
+    """What every block needs at one step, [L, ...] (block i reads row i)."""
+
+    attn_mod: torch.Tensor  # [L, 2, C] norm1's scale|shift
+    gate_msa: torch.Tensor  # [L, C] the self-attention out-projection's gate (into its weight)
+    query_bias: torch.Tensor  # [L, C] the cross-attention's query bias, with the pending bias folded in
+    entry: torch.Tensor  # [L, C] fp32: the bias the stream lacks as block i starts (zero for the first)
+    before_ff: torch.Tensor  # [L, C] fp32: the bias it lacks at norm2
+    ff_mod: torch.Tensor  # [L, 2, C] norm2's scale|shift
+    gate_mlp: torch.Tensor  # [L, C] the feed-forward down-projection's gate
+    exit: torch.Tensor  # [L, C] fp32: the bias it lacks as block i ends (the final norm takes the last)
+
+
+def step_constants(step: torch.Tensor, tables: torch.Tensor, attn_out_bias: torch.Tensor, cross_query: torch.Tensor,
+                   cross_query_bias: torch.Tensor, cross_out_bias: torch.Tensor,
+                   ff_out_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every block's constants at one step, from the step's timestep embedding [6, C] and the stacked
+    parameters (BlockStack's order) -> StepConstants' fields in order. The bias the stream lacks grows
+    block by block (+ the gated attention bias, + the cross-attention's bias, + the gated feed-forward
+    bias): one running sum over those 3L vectors in the blocks' order, in fp32."""
+    blocks, _, channels = tables.shape
     # diffusers adds the table in the model's dtype: the same rounding here
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (table + step).unbind(0)
-    after_attn = pending + attn_out_bias.float() * gate_msa.float()
-    query_bias = (cross_query.float() @ after_attn + cross_query_bias.float()).to(cross_query.dtype)
-    before_ff = after_attn + cross_out_bias.float()
-    return (torch.stack((scale_msa, shift_msa)), attn_out * gate_msa[:, None], query_bias, before_ff,
-            torch.stack((scale_mlp, shift_mlp)), ff_out * gate_mlp[:, None], before_ff + ff_out_bias.float() * gate_mlp.float())
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (tables + step).unbind(1)  # [L, C] each
+    added = torch.stack((attn_out_bias.float() * gate_msa.float(), cross_out_bias.float(),
+                         ff_out_bias.float() * gate_mlp.float()), dim=1)  # [L, 3, C]
+    after_attn, before_ff, exit = added.view(3 * blocks, channels).cumsum(0).view(blocks, 3, channels).unbind(1)
+    entry = torch.cat((torch.zeros_like(exit[:1]), exit[:-1]))
+    query_bias = torch.baddbmm(cross_query_bias.float().unsqueeze(-1), cross_query.float(), after_attn.unsqueeze(-1))
+    return (torch.stack((scale_msa, shift_msa), dim=1), gate_msa, query_bias.squeeze(-1).to(cross_query.dtype), entry,
+            before_ff, torch.stack((scale_mlp, shift_mlp), dim=1), gate_mlp, exit)
+
+
+def stack_parameters(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One [L, ...] tensor holding these same-shaped parameters, each of them now a view of its row
+    (their values unchanged): batched ops read them in one pass, and the model holds them once."""
+    stacked = torch.stack([p.detach() for p in parameters])
+    for i, parameter in enumerate(parameters):
+        parameter.data = stacked[i]
+    return stacked
+
+
+def stack_blocks(blocks: list[torch.nn.Module]) -> BlockStack:
+    return BlockStack(
+        tables=stack_parameters([b.scale_shift_table for b in blocks]),
+        attn_out_bias=stack_parameters([b.attn1.to_out[0].bias for b in blocks]),
+        cross_query=stack_parameters([b.attn2.to_q.weight for b in blocks]),
+        cross_query_bias=stack_parameters([b.attn2.to_q.bias for b in blocks]),
+        cross_out_bias=stack_parameters([b.attn2.to_out[0].bias for b in blocks]),
+        ff_out_bias=stack_parameters([b.ff.net[2].bias for b in blocks]),
+    )
 
 
 def compiled_functions(device: torch.device, dynamic: bool, options: dict,
                        constants_options: dict) -> tuple[NormFn, ConstantsFn]:
-    """The norm and block_constants for compile_scope=norms on this device: block_constants compiled
+    """The norm and step_constants for compile_scope=norms on this device: step_constants compiled
     with inductor (`constants_options`: torch.compile's keywords; one shape per model, so one
     compilation, in inductor's default mode: its kernels are tiny, tuning them would lengthen the
     compile and save nothing); the norm, on CUDA the fixed Triton kernel (norm_kernel), elsewhere
     compiled_norm(dynamic, options)."""
-    constants = torch.compile(block_constants, dynamic=False, fullgraph=True, **constants_options)
+    constants = torch.compile(step_constants, dynamic=False, fullgraph=True, **constants_options)
     return norm_kernel(device) if device.type == "cuda" else compiled_norm(dynamic, options), constants
 
 
@@ -133,26 +185,37 @@ def compiled_norm(dynamic: bool, options: dict) -> NormFn:
 
 
 class ResidualStream:
-    """The bias vector the residual stream lacks, handed from block to block within one forward:
-    the first block starts it at zero, the final layer norm takes it."""
+    """One forward's per-step constants, computed by the first block for every block, read by each
+    block (its row) and by the final layer norm (the bias the stream still lacks)."""
 
-    def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None
+    def __init__(self, stack: BlockStack, constants: ConstantsFn) -> None:
+        self.stack, self.constants = stack, constants
+        self.step: StepConstants | None = None
+
+    def start(self, step: torch.Tensor) -> StepConstants:
+        """step: the timestep embedding of this forward's rows [6, C] -> every block's constants."""
+        self.step = StepConstants(*self.constants(step, *self.stack.tensors()))
+        return self.step
+
+    def current(self, who: str = "a block") -> StepConstants:
+        if self.step is None:
+            raise RuntimeError(f"kernels.fuse_residual: {who} ran without the blocks before it")
+        return self.step
 
     def take(self) -> torch.Tensor:
-        pending, self.pending = self.pending, None
-        if pending is None:
-            raise RuntimeError("kernels.fuse_residual: the final layer norm ran without the blocks before it")
-        return pending
+        """The bias the stream lacks after the last block; the forward's constants are done with."""
+        step, self.step = self.current("the final layer norm"), None
+        return step.exit[-1]
 
 
 def fuse_residual(transformer: torch.nn.Module, norm: NormFn = modulated_norm,
-                  constants: ConstantsFn = block_constants) -> int:
+                  constants: ConstantsFn = step_constants) -> int:
     """Replace the forward of every block of a PixArt transformer (and its final layer norm) as
-    described above, on those module instances (their classes keep diffusers' forward); `norm`,
-    `constants`: modulated_norm (or its Triton kernel, norm_kernel) and block_constants, or their compiled forms
-    -> blocks changed. Refused (naming the module and what is accepted) where the block is not the one
-    this reproduces."""
+    described above, on those module instances (their classes keep diffusers' forward; the
+    parameters the constants read become views of stacked tensors, their values unchanged); `norm`,
+    `constants`: modulated_norm (or its Triton kernel, norm_kernel) and step_constants, or their
+    compiled forms -> blocks changed. Refused (naming the module and what is accepted) where the block
+    is not the one this reproduces."""
     blocks = list(getattr(transformer, "transformer_blocks", []))
     out_norm = getattr(transformer, "norm_out", None)
     if not blocks or not isinstance(out_norm, torch.nn.LayerNorm) or out_norm.elementwise_affine:
@@ -160,9 +223,9 @@ def fuse_residual(transformer: torch.nn.Module, norm: NormFn = modulated_norm,
                         "without affine) are accepted; set kernels.fuse_residual=false")
     for i, block in enumerate(blocks):
         check_block(block, f"transformer_blocks.{i}")
-    stream = ResidualStream()
+    stream = ResidualStream(stack_blocks(blocks), constants)
     for i, block in enumerate(blocks):
-        block.forward = _block_forward(block, stream, norm, constants, first=i == 0)
+        block.forward = _block_forward(block, i, stream, norm)
     out_norm.forward = _norm_out_forward(out_norm, stream, norm)
     proj = getattr(getattr(transformer, "pos_embed", None), "proj", None)
     if isinstance(proj, torch.nn.Conv2d):  # its output [B, C, h, w] in channels-last is [B, h*w, C] contiguous
@@ -218,7 +281,7 @@ def attention_rows(attn, x: torch.Tensor, context: torch.Tensor, mask: torch.Ten
     return out.transpose(1, 2).reshape(batch * tokens, heads * dim)
 
 
-def _block_forward(block, stream: ResidualStream, norm: NormFn, constants: ConstantsFn, first: bool):
+def _block_forward(block, index: int, stream: ResidualStream, norm: NormFn):
     eps1, eps2 = block.norm1.eps, block.norm2.eps
     attn1, attn2, net = block.attn1, block.attn2, block.ff.net
 
@@ -230,19 +293,17 @@ def _block_forward(block, stream: ResidualStream, norm: NormFn, constants: Const
         batch, tokens, channels = hidden_states.shape
         h = hidden_states.contiguous()
         rows = h.view(batch * tokens, channels)
-        pending = torch.zeros(channels, dtype=torch.float32, device=h.device) if first else stream.pending
         # One denoising step per batch: row 0's timestep embedding is every row's.
-        attn_mod, attn_out, query_bias, ff_pending, ff_mod, ff_out, stream.pending = constants(
-            block.scale_shift_table, timestep.view(batch, 6, channels)[0], pending, attn1.to_out[0].weight,
-            attn1.to_out[0].bias, attn2.to_q.weight, attn2.to_q.bias, attn2.to_out[0].bias, net[2].weight, net[2].bias)
+        c = stream.start(timestep.view(batch, 6, channels)[0]) if index == 0 else stream.current()
         # Self-attention: rows += gate_msa * (attn(LN(h)) @ W_o^T + b_o), the bias left pending
-        x = norm(rows, pending, attn_mod, eps1).view(batch, tokens, channels)
-        rows.addmm_(attention_rows(attn1, x, x, attention_mask), attn_out.t())
+        x = norm(rows, c.entry[index], c.attn_mod[index], eps1).view(batch, tokens, channels)
+        rows.addmm_(attention_rows(attn1, x, x, attention_mask), (attn1.to_out[0].weight * c.gate_msa[index, :, None]).t())
         # Cross-attention on the stream itself (PixArt applies no norm here): its query bias adds pending back
-        out = attention_rows(attn2, h, encoder_hidden_states, encoder_attention_mask, query_bias)
+        out = attention_rows(attn2, h, encoder_hidden_states, encoder_attention_mask, c.query_bias[index])
         rows.addmm_(out, attn2.to_out[0].weight.t())
         # Feed-forward: rows += gate_mlp * (ff(LN(h)) @ W_2^T + b_2)
-        rows.addmm_(net[0](norm(rows, ff_pending, ff_mod, eps2)), ff_out.t())
+        ff = net[0](norm(rows, c.before_ff[index], c.ff_mod[index], eps2))
+        rows.addmm_(ff, (net[2].weight * c.gate_mlp[index, :, None]).t())
         return h
 
     return forward
