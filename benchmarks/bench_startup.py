@@ -1,12 +1,13 @@
 """A job's start-up, cold and warm, and whether its processes make the same bytes.
 
     python benchmarks/bench_startup.py --out outputs/benchmarks/startup.json [--manifest M]
-        [--work /tmp/bench-startup] [--stop-after 1] [--timed] [--limit 240] [-- OVERRIDE ...]
+        [--work /tmp/bench-startup] [--stop-after 1] [--timed] [--limit 240] [--python P] [-- OVERRIDE ...]
 
 Each run is `python -m pipeline.run +job=bench bench.baseline=false` on the manifest (default: the
 60-row jobs/manifests/bench_tiny.parquet; PixArt-Sigma with random weights, kernels=fast) plus the
-overrides, in a process of its own, each job in a fresh output.dir with its own compile cache (the
-job's, <output.dir>/.cache/inductor), so no run loads what another job compiled:
+overrides, in a process of its own (of `--python`: default this interpreter; benchmarks/lean_venv.py
+makes one with the package's requirements only), each job in a fresh output.dir with its own kernel
+cache (the job's, <output.dir>/.cache/inductor), so no run loads what another job built:
 - `cold`: the whole job from an empty cache: the reference images;
 - `stopped`: another job, stopped once `--stop-after` batches are done (BCG_STOP_AFTER_BATCHES: the
   SIGTERM a user sends), from an empty cache;
@@ -55,8 +56,8 @@ IMPORT = "import pipeline.job"
 STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")
 
 
-def launch(out: Path, overrides: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
-    args = [sys.executable, "-m", "pipeline.run", "+job=bench", "bench.baseline=false", f"output.dir={out}", *overrides]
+def launch(python: str, out: Path, overrides: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
+    args = [python, "-m", "pipeline.run", "+job=bench", "bench.baseline=false", f"output.dir={out}", *overrides]
     log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115 - the child writes it until it ends
     started = time.time()
     return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT), started
@@ -80,11 +81,12 @@ def run_figures(out: Path, code: int, command_s: float, started: float) -> list[
     return rows or [{"exit": code, "command_s": round(command_s, 2)}]
 
 
-def run(name: str, out: Path, overrides: list[str], limit: float, shards: int = 1, env: dict | None = None) -> list[dict]:
-    """One command (`shards` processes started at once) -> its rows; killed after `limit` seconds."""
+def run(python: str, name: str, out: Path, overrides: list[str], limit: float, shards: int = 1,
+        env: dict | None = None) -> list[dict]:
+    """One command (`shards` processes of `python` started at once) -> its rows; killed after `limit` seconds."""
     out.parent.mkdir(parents=True, exist_ok=True)
     extra = [[f"shard.count={shards}", f"shard.index={i}"] for i in range(shards)] if shards > 1 else [[]]
-    procs = [launch(out, [*overrides, *more], env) for more in extra]
+    procs = [launch(python, out, [*overrides, *more], env) for more in extra]
     began = time.perf_counter()
     codes = []
     for proc, _ in procs:
@@ -112,24 +114,24 @@ def bytecode_share(package: str) -> float | None:
     return round(compiled / len(sources), 3) if sources else None
 
 
-def imports_probe() -> dict:
-    """`import pipeline.job` in two fresh processes (seconds each), the bytecode each package has,
-    and whether Python writes bytecode in this environment."""
+def imports_probe(python: str) -> dict:
+    """`import pipeline.job` in two fresh processes of `python` (seconds each), the bytecode each
+    package has, and whether Python writes bytecode in this environment."""
     seconds = []
     for _ in range(2):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", IMPORT], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run([python, "-c", IMPORT], cwd=ROOT, check=True, capture_output=True)
         seconds.append(round(time.perf_counter() - start, 2))
-    return {"command": f"{Path(sys.executable).name} -c '{IMPORT}'", "seconds": seconds,
+    return {"command": f"{python} -c '{IMPORT}'", "seconds": seconds,
             "writes_bytecode": not sys.dont_write_bytecode, "pycache_prefix": sys.pycache_prefix,
             "bytecode_share": {package: bytecode_share(package) for package in PACKAGES}}
 
 
-def imports_result(compile_bytecode: bool) -> dict:
+def imports_result(compile_bytecode: bool, python: str) -> dict:
     """{"imports": the probe}; with `compile_bytecode`, the probe before as "imports_before_bytecode",
     the directories compiled ("bytecode_compiled": those holding a package that lacked bytecode) and
     the probe after as "imports"."""
-    probe = imports_probe()
+    probe = imports_probe(python)
     if not compile_bytecode:
         return {"imports": probe}
     lacking = [name for name, share in probe["bytecode_share"].items() if share is not None and share < 1]
@@ -138,7 +140,7 @@ def imports_result(compile_bytecode: bool) -> dict:
                      for location in importlib.util.find_spec(name).submodule_search_locations})
     if places:
         subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *places], check=False, capture_output=True)
-    return {"imports_before_bytecode": probe, "bytecode_compiled": places, "imports": imports_probe()}
+    return {"imports_before_bytecode": probe, "bytecode_compiled": places, "imports": imports_probe(python)}
 
 
 def imports_lines(result: dict) -> list[str]:
@@ -213,10 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile-bytecode", action="store_true",
                    help="probe the imports, compile the bytecode of the directories that hold a probed package lacking some "
                         "(compileall), then probe again before the runs: a --no-compile install measured both ways")
+    p.add_argument("--python", default=sys.executable, help="the interpreter the jobs and the imports probe run with")
     p.add_argument("overrides", nargs="*", help="after --: Hydra overrides for every run")
     args = p.parse_args(argv)
     if args.imports_only:
-        result = imports_result(args.compile_bytecode)
+        result = imports_result(args.compile_bytecode, args.python)
         save(args.out, result)
         print("\n".join(imports_lines(result)))
         return
@@ -225,12 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     common = [f"manifest.path={args.manifest.resolve()}", *args.overrides]
     w = args.work
     result: dict = {"manifest": str(args.manifest), "overrides": args.overrides, "stop_after": args.stop_after,
-                    **imports_result(args.compile_bytecode), "runs": []}
+                    "python": args.python, **imports_result(args.compile_bytecode, args.python), "runs": []}
     print("\n".join(imports_lines(result)), flush=True)
     for name, out, shards, env in (("cold", w / "single", 1, None),
                                    ("stopped", w / "resumed", 1, {STOP_AFTER_BATCHES: str(args.stop_after)}),
                                    ("warm", w / "resumed", 1, None), ("shards", w / "shards", 2, None)):
-        result["runs"] += run(name, out, common, args.limit, shards, env)
+        result["runs"] += run(args.python, name, out, common, args.limit, shards, env)
         save(args.out, result)
     result["complete"] = {d: (w / d / STATS).exists() for d in ("single", "resumed", "shards")}  # stats.json: every shard in
     result["compare"] = {"warm (stopped, resumed) vs cold": compared(w / "single", w / "resumed"),
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(result), flush=True)
     if args.timed:
         for name in ("timed-a", "timed-b"):
-            result["runs"] += run(name, w / name, [*common, *TIMED], args.limit)
+            result["runs"] += run(args.python, name, w / name, [*common, *TIMED], args.limit)
             save(args.out, result)
         result["compare"]["timed-a vs timed-b"] = compared(w / "timed-a", w / "timed-b")
         result["compare"]["timed-a vs cold (fixed)"] = compared(w / "single", w / "timed-a")

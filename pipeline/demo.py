@@ -16,6 +16,8 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
+from pipeline.errors import UserError
+
 TRAIN_SHARE = 0.8  # the first 80% of the digits by index train the generator; the rest never
 SIZES = ((16, 16), (24, 24), (32, 32), (48, 48), (32, 24), (48, 32))  # (H, W) the model is trained at, multiples of 8
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -72,7 +74,11 @@ def split_indices(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """images [N, 8, 8] float in [0, 16], labels [N]."""
-    from sklearn.datasets import load_digits  # here: the demo manifest needs no scikit-learn
+    try:
+        from sklearn.datasets import load_digits  # here: the demo manifest and job need no scikit-learn
+    except ModuleNotFoundError:
+        raise UserError("the demo model's digits come from scikit-learn, which is not installed: "
+                        "pip install -e '.[demo]'") from None
 
     data = load_digits()
     return data.images.astype(np.float32), data.target.astype(np.int64)

@@ -187,3 +187,12 @@ def test_the_compiled_layer_norm_is_one_kernel_whatever_row_count_comes_first(tm
         # less the line that numbers the compiles of this process
         generated.append(sorted("\n".join(line for line in c if not line.startswith("# AOT ID")) for c in code))
     assert generated[0] and generated[0] == generated[1]
+
+
+def test_a_job_imports_no_scikit_learn():
+    """scikit-learn is the demo model's training data and the digits test's classifier, never a job's:
+    every module imported at start is paid for by every process (with it, transformers' losses pull in
+    scipy too)."""
+    probe = run_python("-c", "import sys, pipeline.job, pipeline.bench, pipeline.run; print('sklearn' in sys.modules)")
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split() == ["False"]
