@@ -106,3 +106,16 @@ def test_the_demo_model_under_graphs_on_the_gpu_equals_eager_and_reads_right(tmp
     accuracy = float((predicted == np.array([r["label"] for r in rows])).mean())
     print(f"GPU, loop scope: digits read right {accuracy:.3f}")
     assert accuracy >= MIN_ACCURACY
+
+
+def test_training_data_without_scikit_learn_names_the_extra(monkeypatch):
+    """The digits come from scikit-learn, which only the demo extra installs (a job never needs it)."""
+    import sys
+
+    from pipeline.demo import digits
+    from pipeline.errors import UserError
+
+    for name in ("sklearn", "sklearn.datasets"):  # as if it were not installed (an earlier test may have imported it)
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(UserError, match=r"scikit-learn, which is not installed: pip install -e '\.\[demo\]'"):
+        digits()
