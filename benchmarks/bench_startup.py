@@ -12,10 +12,11 @@ cache (the job's, <output.dir>/.cache/inductor), so no run loads what another jo
 - `stopped`: another job, stopped once `--stop-after` batches are done (BCG_STOP_AFTER_BATCHES: the
   SIGTERM a user sends), from an empty cache;
 - `warm`: the same command again, which resumes that job: "a job that has run before", loading
-  what `stopped` compiled;
+  the kernels `stopped` built;
 - `shards`: a third job as shard.count=2, both processes started at once on the same GPU;
-- with `--timed`: two more jobs (`timed-a`, `timed-b`) under kernels.compile_tuning=timed
-  kernels.compile_mode=coordinate-descent, whose images and tuned block sizes (the `.best_config`
+- with `--timed`: two more jobs (`timed-a`, `timed-b`) under kernels.compile=true
+  kernels.compile_tuning=timed kernels.compile_mode=coordinate-descent (kernels=fast compiles nothing
+  by itself), whose images and tuned block sizes (the `.best_config`
   files inductor writes next to each kernel in the cache) are compared.
 First, what `imports` depends on besides the packages' size (`imports`, also alone with `--imports-only`;
 `--compile-bytecode` measures it, compiles the bytecode the packages lack, and measures it again):
@@ -50,7 +51,7 @@ from pipeline.merge import PARTS_DIR, STATS
 from pipeline.report import PartReport
 from pipeline.stats import STOP_AFTER_BATCHES
 
-TIMED = ("kernels.compile_tuning=timed", "kernels.compile_mode=coordinate-descent")
+TIMED = ("kernels.compile=true", "kernels.compile_tuning=timed", "kernels.compile_mode=coordinate-descent")
 PACKAGES = ("torch", "diffusers", "transformers", "hydra", "omegaconf", "pyarrow")  # what a job imports
 IMPORT = "import pipeline.job"
 STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")

@@ -33,10 +33,10 @@
 #   bash benchmarks/gpu_checks.sh baseline-1000  # diffusers' pipeline alone on the 1,000-row manifest, saved under
 #                                                # $BENCH_OUT/baseline_1000 for bench-1000
 #   bash benchmarks/gpu_checks.sh bench-1000     # our job on the same rows against that saved baseline
-#                                                # (BASELINE_FROM=dir: another), compiling from an empty inductor
+#                                                # (BASELINE_FROM=dir: another), building its kernels into an empty
 #                                                # cache (COMPILE_CACHE=dir: that cache)
 #   bash benchmarks/gpu_checks.sh compile-cache  # the 60-row job twice with one fresh kernels.compile_cache_dir:
-#                                                # compile cold, then warm
+#                                                # cold, then warm (KERNELS with kernels.compile=true for a compile)
 #   bash benchmarks/gpu_checks.sh startup        # tests/test_startup_cuda.py (kernels=fast: resumed and sharded jobs give
 #                                                # one process's bytes), then bench_startup.py on the 60-row manifest:
 #                                                # start-up stages cold and warm (a resumed job), the resumed job's and
@@ -276,7 +276,7 @@ cache_200() {
 }
 
 fp8_200() {
-  ours_200 fp8 "$(mktemp -d /tmp/inductor-fp8.XXXX)" kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile_scope=blocks "${kernels[@]}"
+  ours_200 fp8 "$(mktemp -d /tmp/inductor-fp8.XXXX)" kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile=true kernels.compile_scope=blocks "${kernels[@]}"
   python3 -m pipeline.compare /tmp/bench-200-cold /tmp/bench-200-fp8 --json "$BENCH_OUT/fp8_200_vs_bf16.json" > "$BENCH_OUT/fp8_200_vs_bf16.log" 2>&1; local code=$?
   echo "== fp8 vs bf16 images, 200 rows"; rc $code; tail -8 "$BENCH_OUT/fp8_200_vs_bf16.log"
 }
@@ -285,7 +285,7 @@ fp8_1000() {  # PixArt-Sigma on the 1,000-row manifest without a baseline: kerne
   local name
   for name in bf16 fp8; do
     local extra=()
-    [ $name = fp8 ] && extra=(kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile_scope=blocks)
+    [ $name = fp8 ] && extra=(kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile=true kernels.compile_scope=blocks)
     rm -rf /tmp/fp8-1000-$name
     timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run +job=bench bench.baseline=false output.dir=/tmp/fp8-1000-$name kernels.compile_cache_dir=$(mktemp -d /tmp/inductor-1000.XXXX) "${extra[@]}" "${kernels[@]}" > "$BENCH_OUT/fp8_1000_$name.log" 2>&1; local code=$?
     cp /tmp/fp8-1000-$name/stats.json "$BENCH_OUT/fp8_1000_${name}_stats.json" 2>/dev/null

@@ -7,7 +7,8 @@ imports optional integrations that are installed (peft), which makes every proce
     python3 benchmarks/lean_venv.py /tmp/lean [--extra test]     # then /tmp/lean/bin/python ...
 
 Prints the interpreter's path and how many distributions it links, of how many installed. A
-requirement that is not installed is an error naming it. The package itself is not linked: run the
+requirement that is not installed is an error naming it. Namespace folders shared by several
+distributions (`nvidia/`) are linked whole. Python 3.11+ (it reads pyproject.toml with tomllib). The package itself is not linked: run the
 interpreter from the repository root (`-m pipeline.run` finds it there), as the benchmarks do.
 """
 
@@ -29,18 +30,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def requirements(extras: list[str]) -> list[Requirement]:
+    """The package's requirements with its optional groups `extras`, the package's own extras
+    (`bcg-datagen[demo]`) followed."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    listed = list(project["dependencies"])
-    for extra in extras:
-        listed += project["optional-dependencies"][extra]
-    return [Requirement(r) for r in listed if not r.startswith(project["name"])]
+    own = canonicalize_name(project["name"])
+    listed, groups, todo = list(project["dependencies"]), set(), list(extras)
+    while todo:
+        group = todo.pop()
+        if group in groups:
+            continue
+        groups.add(group)
+        for text in project["optional-dependencies"][group]:
+            requirement = Requirement(text)
+            if canonicalize_name(requirement.name) == own:
+                todo += sorted(requirement.extras)
+            else:
+                listed.append(text)
+    return [Requirement(r) for r in listed]
 
 
 def closure(roots: list[Requirement]) -> dict[str, metadata.Distribution]:
     """name -> the installed distribution, for every requirement reachable from `roots` whose marker
-    holds here (a requirement's own extras followed too); every one that is not installed named at
+    holds here (with the extras each one is asked for); every one that is not installed named at
     once (SystemExit)."""
     found: dict[str, metadata.Distribution] = {}
+    followed: set[tuple[str, str]] = set()  # (distribution, extra) whose requirements are queued
     missing: dict[str, Requirement] = {}
     todo = [(r, "") for r in roots]
     while todo:
@@ -48,16 +62,18 @@ def closure(roots: list[Requirement]) -> dict[str, metadata.Distribution]:
         if requirement.marker and not requirement.marker.evaluate({**default_environment(), "extra": extra}):
             continue
         name = canonicalize_name(requirement.name)
-        if name in found or name in missing:
+        if name in missing:
             continue
-        try:
-            dist = metadata.distribution(requirement.name)
-        except metadata.PackageNotFoundError:
-            missing[name] = requirement
-            continue
-        found[name] = dist
+        if name not in found:
+            try:
+                found[name] = metadata.distribution(requirement.name)
+            except metadata.PackageNotFoundError:
+                missing[name] = requirement
+                continue
         for extra_name in [""] + sorted(requirement.extras):
-            todo += [(Requirement(r), extra_name) for r in dist.requires or []]
+            if (name, extra_name) not in followed:
+                followed.add((name, extra_name))
+                todo += [(Requirement(r), extra_name) for r in found[name].requires or []]
     if missing:
         raise SystemExit(f"lean_venv: required but not installed for {sys.executable}: "
                          + ", ".join(str(r) for r in missing.values()))
@@ -66,9 +82,11 @@ def closure(roots: list[Requirement]) -> dict[str, metadata.Distribution]:
 
 def top_level(dist: metadata.Distribution) -> set[Path]:
     """The paths a distribution installs directly under its site directory (packages, modules, its
-    .dist-info), as absolute paths."""
+    .dist-info), as absolute paths; SystemExit where it lists no files (nothing to link)."""
+    if dist.files is None:
+        raise SystemExit(f"lean_venv: {dist.metadata['Name']} lists no installed files (no RECORD); it cannot be linked")
     site = Path(dist.locate_file("")).resolve()
-    names = {Path(f).parts[0] for f in dist.files or [] if not Path(f).parts[0].startswith("..")}
+    names = {Path(f).parts[0] for f in dist.files if not Path(f).parts[0].startswith("..")} - {"__pycache__"}
     return {site / name for name in names if (site / name).exists()}
 
 

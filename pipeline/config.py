@@ -111,7 +111,7 @@ class KernelsConfig:
     compile_dynamic: bool = True
     # model: compile the whole transformer; blocks: its repeated block once, reused by every block
     # (regional compilation: far shorter compiles, no fusion across blocks); norms (with
-    # fuse_residual): only the layer norms and their modulation, what that block leaves to fuse.
+    # fuse_residual): what that block leaves to fuse (its per-step constants; off CUDA its layer norms).
     compile_scope: str = "model"
     # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
     # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ.

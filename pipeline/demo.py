@@ -107,8 +107,8 @@ def fit_classifier():
     """An RBF support-vector classifier (sklearn SVC) on the held-out digits only, resized up to
     32 px and back down, as a generated image is read. The two splits come from different writers:
     it misreads some real digits of the training split too, which bounds what a generated set can score."""
+    images8, labels = held_out_digits()  # names the demo extra where scikit-learn is missing
     from sklearn.svm import SVC
 
-    images8, labels = held_out_digits()
     gray = (to_pixels(images8, 32, 32)[:, 0].numpy() + 1.0) / 2.0
     return SVC(gamma=0.5, C=10.0).fit(features(gray), labels)

@@ -5,6 +5,9 @@ writes bytecode) is saved and printed. The job runs themselves need a GPU-sized 
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from conftest import run_benchmark
 
@@ -20,6 +23,7 @@ def test_imports_probe_times_the_import_and_says_what_has_bytecode(tmp_path):
     assert proc.stdout.startswith("imports: ") and "modules with bytecode: torch " in proc.stdout
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="lean_venv.py reads pyproject.toml with tomllib")
 def test_lean_venv_holds_the_packages_requirements_and_nothing_else(tmp_path):
     """benchmarks/lean_venv.py: an interpreter that imports the job from the repository root, and
     lacks what this environment has beyond the package's requirements (pytest, a test extra)."""

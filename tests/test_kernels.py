@@ -181,8 +181,9 @@ def test_fp8_is_offered_for_pixart_and_flux_with_compile():
 
 
 def test_a_family_refusal_names_every_setting_and_the_whole_fix():
-    """kernels=fast and +job=bench's text trimming are PixArt's: with Flux one message names both
-    and the compile scope their removal then needs, and that one change passes."""
+    """fuse_residual (compiled: kernels=fast with kernels.compile=true) and +job=bench's text trimming are
+    PixArt's: with Flux one message names both and the compile scope their removal then needs, and that
+    one change passes."""
     fast = KernelsConfig(attention="cudnn", compile=True, compile_scope="norms", fuse_residual=True,
                          trim_text_padding=True)
     with pytest.raises(UserError) as refused:
@@ -331,7 +332,7 @@ def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny,
                             compile_tuning="timed", compile_cache_dir=str(cache))
     before_env = {name: os.environ.get(name) for name in CACHE_ENV}
     torch._dynamo.reset()
-    with compile_cache(kernels, tmp_path / "out"):
+    with compile_cache(kernels, tmp_path / "out", "cpu"):
         report = apply_kernels(kernels, tiny, None, shapes=2)
         assert report["compile_cache_dir"] == str(cache.resolve())
         with torch.no_grad():
@@ -343,7 +344,7 @@ def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny,
     torch._dynamo.reset()  # as a new process: dynamo traces again, inductor finds its graph on disk
     before = compile_stats()
     again = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    with compile_cache(kernels, tmp_path / "out"):
+    with compile_cache(kernels, tmp_path / "out", "cpu"):
         apply_kernels(kernels, again, None, shapes=2)
         with torch.no_grad():
             second = again.guided_eps(x)

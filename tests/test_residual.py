@@ -94,6 +94,17 @@ def test_fused_block_leaves_the_models_other_callers_alone():
                                                      * adapter.transformer.config.attention_head_dim))
 
 
+def test_a_fused_block_whose_parameters_were_moved_after_fusing_is_refused_not_stale():
+    """The per-step constants read the stacked parameters; a model moved or cast after fusing no longer
+    shares them, which is an error naming the fix, not constants from the old weights."""
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    fuse_residual(adapter.transformer)
+    adapter.transformer.to(torch.float64)
+    x = {k: v.double() if v.is_floating_point() else v for k, v in inputs(adapter).items()}
+    with torch.no_grad(), pytest.raises(RuntimeError, match="moved or replaced after the block was fused"):
+        adapter.guided_eps(x)
+
+
 def test_fused_residual_job_makes_the_same_images_and_is_a_setting(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 96, 64, 2), ("c", 64, 64, 3)))
     fused = run(cpu_job(manifest, tmp_path / "fused", "kernels.fuse_residual=true"))

@@ -39,24 +39,24 @@ def stats(out) -> dict:
 
 def test_a_compiling_job_keeps_its_compile_cache_hidden_under_output_dir(tmp_path):
     out = tmp_path / "out"
-    assert cache_directory(KernelsConfig(), out) is None  # nothing compiles: torch's environment as it is
-    assert cache_directory(KernelsConfig(compile=True), out) == (out / JOB_CACHE).resolve()
-    assert cache_directory(KernelsConfig(compile_decoder=True), out) == (out / ".cache" / "inductor").resolve()
+    assert cache_directory(KernelsConfig(), out, "cpu") is None  # nothing compiles: torch's environment as it is
+    assert cache_directory(KernelsConfig(compile=True), out, "cpu") == (out / JOB_CACHE).resolve()
+    assert cache_directory(KernelsConfig(compile_decoder=True), out, "cpu") == (out / ".cache" / "inductor").resolve()
     # kernels=fast compiles nothing, but on CUDA builds its layer norm's Triton kernel: kept with the job too
     assert cache_directory(KernelsConfig(fuse_residual=True), out, "cuda") == (out / JOB_CACHE).resolve()
     assert cache_directory(KernelsConfig(fuse_residual=True), out, "cpu") is None
     shared = tmp_path / "nightly-cache"
-    assert cache_directory(KernelsConfig(compile=True, compile_cache_dir=str(shared)), out) == shared.resolve()
+    assert cache_directory(KernelsConfig(compile=True, compile_cache_dir=str(shared)), out, "cpu") == shared.resolve()
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with compile_cache(KernelsConfig(compile=True), out):
+    with compile_cache(KernelsConfig(compile=True), out, "cpu"):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((out / ".cache/inductor").resolve())
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         assert cache_dir() == str((out / ".cache/inductor").resolve())  # where inductor writes
         assert os.environ["TRITON_CACHE_DIR"] == str((out / ".cache/inductor/triton").resolve())  # and Triton
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
-    with compile_cache(KernelsConfig(), out):
+    with compile_cache(KernelsConfig(), out, "cpu"):
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
 
 
@@ -80,7 +80,7 @@ def test_fixed_tuning_is_inductors_deterministic_mode_and_timed_tuning_is_report
     assert report["compile_tuning"] == "timed" and report["reproducible"] is False
     assert "compile_tuning=timed" in report["not_reproducible"]
     with caplog.at_level("WARNING", logger="pipeline.kernels.compile"):
-        with compile_cache(KernelsConfig(compile=True, compile_tuning="timed"), tmp_path):
+        with compile_cache(KernelsConfig(compile=True, compile_tuning="timed"), tmp_path, "cpu"):
             pass
     assert "not the same kernels in every process" in caplog.text  # said at the job's start
 
@@ -180,7 +180,7 @@ def test_the_compiled_layer_norm_is_one_kernel_whatever_row_count_comes_first(tm
     generated = []
     for first_rows, cache in ((32, "a"), (4096, "b")):
         torch._dynamo.reset()
-        with compile_cache(KernelsConfig(compile=True, compile_cache_dir=str(tmp_path / cache)), tmp_path):
+        with compile_cache(KernelsConfig(compile=True, compile_cache_dir=str(tmp_path / cache)), tmp_path, "cpu"):
             norm = compiled_norm(True, compile_options("default", "fixed"))
             norm(torch.randn(first_rows, 16), torch.zeros(16), torch.zeros(2, 16), 1e-6)
         code = [p.read_text().splitlines() for p in (tmp_path / cache).rglob("*.py")]

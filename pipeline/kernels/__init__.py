@@ -85,10 +85,10 @@ EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
 
 # (options that, all on, need another option; why: the config's values filled in, e.g. "{compile_scope}")
 REQUIRES: tuple[tuple[tuple[Option, ...], Option, str], ...] = (
-    ((NORMS,), FUSE_RESIDUAL, "it compiles the layer norms of kernels.fuse_residual's block"),
+    ((NORMS,), FUSE_RESIDUAL, "it compiles what kernels.fuse_residual's block leaves to fuse"),
     ((FUSE_RESIDUAL, COMPILE), NORMS, "the block adds into its input in place, which compile_scope={compile_scope} "
-                                      "would trace; compile_scope=norms compiles the layer norms, all that is left "
-                                      "to fuse, once"),
+                                      "would trace; compile_scope=norms compiles what is left to fuse (the per-step "
+                                      "constants, and off CUDA the layer norms), once"),
 )
 
 # option -> why it runs on CUDA only
@@ -129,8 +129,8 @@ def check_kernels(kernels: KernelsConfig, family: str | None = None, device: tor
 
 def family_refusal(kernels: KernelsConfig, family: str) -> str | None:
     """Every setting this family cannot use, in one message, with the whole fix: each one's `off`,
-    and what turning the switches off would then need (kernels=fast's compile_scope=norms serves
-    fuse_residual only), so that one change of the command runs."""
+    and what turning the switches off would then need (compile_scope=norms serves fuse_residual only),
+    so that one change of the command runs."""
     refused = [(option, families, why) for option, (families, why) in SUPPORTED_FAMILIES.items()
                if option.on(kernels) and family not in families]
     if not refused:
@@ -155,6 +155,7 @@ def output_kernels(kernels: KernelsConfig) -> dict:
             out[key] = True
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
         out["residual_norm"] = norm.SETTING
+        out["residual_constants"] = residual.CONSTANTS  # how its per-step constants are computed (their rounding)
     if kernels.compile:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default

@@ -172,7 +172,7 @@ def builds_kernels(kernels: KernelsConfig, device: torch.device | str | None) ->
     return kernels.compile or kernels.compile_decoder or triton_norm
 
 
-def cache_directory(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None = None) -> Path | None:
+def cache_directory(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None) -> Path | None:
     """Where this job keeps the kernels it builds (`builds_kernels`) and the block sizes it tunes:
     kernels.compile_cache_dir, else the job's own folder under output.dir (JOB_CACHE); None when it
     builds none."""
@@ -182,7 +182,7 @@ def cache_directory(kernels: KernelsConfig, out_dir: Path, device: torch.device 
 
 
 @contextmanager
-def compile_cache(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None = None):
+def compile_cache(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None):
     """Inductor's on-disk caches (FX graphs, AOT autograd, the tuned block sizes next to each kernel)
     and Triton's (its compiled kernels: inductor's, and kernels.fuse_residual's layer norm on `device`)
     in `cache_directory` while the block runs, then the environment as it was: the next job of the

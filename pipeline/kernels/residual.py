@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 # starts at. The rows of one 1024 px batch of 8 prompts with CFG on PixArt-Sigma (2 x 8 x 4096 tokens).
 NORM_ROWS_HINT = 65536
 
+# How the per-step constants are computed, in the job's kernel digest: every block's at once (a
+# running sum in fp32, the query biases as one batched product), which rounds otherwise than the
+# per-block function before it.
+CONSTANTS = "batched"
+
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 ConstantsFn = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -83,7 +88,7 @@ def norm_kernel(device: torch.device) -> NormFn:
 def modulated_norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm (no affine) of `rows + pending`, then `* (1 + scale) + shift`, computed in fp32 and
     rounded once to the rows' dtype. rows [M, C]; pending [C] fp32; modulation [2, C]: scale, shift
-    (a tensor of its own, so that every call has the same strides and offsets: one compilation)."""
+    (contiguous; a row of the step's [L, 2, C] constants)."""
     x = F.layer_norm(rows.float() + pending, rows.shape[-1:], eps=eps)
     scale, shift = modulation.float()
     return (x * (1 + scale) + shift).to(rows.dtype)
@@ -188,13 +193,19 @@ class ResidualStream:
     """One forward's per-step constants, computed by the first block for every block, read by each
     block (its row) and by the final layer norm (the bias the stream still lacks)."""
 
-    def __init__(self, stack: BlockStack, constants: ConstantsFn) -> None:
-        self.stack, self.constants = stack, constants
+    def __init__(self, stack: BlockStack, constants: ConstantsFn, first_table: torch.nn.Parameter) -> None:
+        self.stack, self.constants, self.first_table = stack, constants, first_table
         self.step: StepConstants | None = None
 
     def start(self, step: torch.Tensor) -> StepConstants:
         """step: the timestep embedding of this forward's rows [6, C] -> every block's constants."""
-        self.step = StepConstants(*self.constants(step, *self.stack.tensors()))
+        if self.first_table.data_ptr() != self.stack.tables.data_ptr():
+            raise RuntimeError("kernels.fuse_residual: the blocks' parameters were moved or replaced after the block "
+                               "was fused (they no longer share the stacked tensors); apply the kernels after the model "
+                               "is where and what it runs as")
+        values = self.constants(step, *self.stack.tensors())
+        assert len(values) == len(fields(StepConstants)), len(values)
+        self.step = StepConstants(*values)
         return self.step
 
     def current(self, who: str = "a block") -> StepConstants:
@@ -223,7 +234,7 @@ def fuse_residual(transformer: torch.nn.Module, norm: NormFn = modulated_norm,
                         "without affine) are accepted; set kernels.fuse_residual=false")
     for i, block in enumerate(blocks):
         check_block(block, f"transformer_blocks.{i}")
-    stream = ResidualStream(stack_blocks(blocks), constants)
+    stream = ResidualStream(stack_blocks(blocks), constants, blocks[0].scale_shift_table)
     for i, block in enumerate(blocks):
         block.forward = _block_forward(block, i, stream, norm)
     out_norm.forward = _norm_out_forward(out_norm, stream, norm)
