@@ -59,18 +59,15 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
 
 def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
     """Compile this adapter's transformer (kernels.compile) -> the compile settings the job reports:
-    the cache directory and whether every process runs the same kernels (`reproducible`, with the
-    reason when not), also for the decoder's compile alone (kernels.compile_decoder, which has its
+    where the job keeps the kernels it builds and whether every process runs the same kernels
+    (`reproducible`, with the reason when not), also for the decoder's compile or the Triton layer norm alone (kernels.compile_decoder, which has its
     own mode and tuning: pipeline.kernels.decoder); with kernels.compile, the transformer's mode,
     tuning, shapes and scope."""
     report: dict = {}
-    if kernels.compile or kernels.compile_decoder:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
+    if builds_kernels(kernels, adapter.device):  # where compile_cache put them (None outside a job)
         why = not_reproducible(kernels)
-        report.update(compile_cache_dir=cache_dir(), reproducible=why is None, **({"not_reproducible": why} if why else {}))
-    elif builds_kernels(kernels, adapter.device):  # the Triton layer norm alone: fixed block sizes, nothing tuned
-        report.update(compile_cache_dir=os.environ.get(CACHE_ENV[0]), reproducible=True)
+        report.update(compile_cache_dir=os.environ.get(CACHE_ENV[0]), reproducible=why is None,
+                      **({"not_reproducible": why} if why else {}))
     if kernels.compile:
         report.update(compile_mode=kernels.compile_mode, compile_tuning=kernels.compile_tuning,
                       compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
