@@ -12,7 +12,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
 - `compile`: bf16, the transformer's repeated blocks compiled (kernels=compiled: kernels.compile,
   compile_scope=blocks, dynamic shapes, fixed tuning), replayed from our graphs;
 - `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
-  makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `autotune`
+  makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `split`
+  (kernels.split_out_proj: the single-stream blocks' out-projection without the joined copy), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
@@ -76,7 +77,7 @@ from pipeline.compare import psnr
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels import check_kernels, decoder, fp8, gelu, qkv, with_attention
+from pipeline.kernels import check_kernels, decoder, fp8, gelu, qkv, split, with_attention
 from pipeline.kernels import compile as compile_kernels
 from pipeline.kernels.attention import probe_attention
 from pipeline.kernels.compile import compile_stats, start_compile_workers
@@ -90,7 +91,7 @@ from pipeline.profiling import profile_categories
 VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
-PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True},
+PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
          "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}
@@ -254,7 +255,7 @@ def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxA
     if kernels.compile_decoder:  # compiled on a copy: diffusers' calls and the other variants keep the eager decoder
         adapter.vae = copy.deepcopy(base.vae)
     report = {}
-    for module in (qkv, gelu, fp8):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
+    for module in (qkv, gelu, split, fp8):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
         report.update(module.apply(kernels, adapter))
     report.update(compile_kernels.apply(kernels, adapter, shapes))
     report.update(decoder.apply(kernels, adapter, None))  # compiled at the case's warm-up decode (generate)

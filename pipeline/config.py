@@ -126,6 +126,10 @@ class KernelsConfig:
     # the gates folded into the weights once per step, the biases carried to the next layer norm):
     # three elementwise passes less per block. Needs compile_scope=norms with kernels.compile.
     fuse_residual: bool = False
+    # Flux: each single-stream block multiplies its attention output and its MLP activation by their
+    # own parts of proj_out and adds the two, instead of joining them into one tensor first (a copy of
+    # both per block and step). The same sum, rounded per part.
+    split_out_proj: bool = False
     # PixArt: pad prompts to the manifest's longest prompt (rounded up to 64 tokens) instead of
     # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
     # same up to rounding; cross-attention and text encoding do less work.

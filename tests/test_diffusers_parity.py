@@ -34,7 +34,8 @@ GUIDANCE = 4.5
 # 64 prompts vs diffusers' batch of 3; transformer buckets 2 + 1 vs 3). The Flux cases likewise (0 for the
 # schnell-like ones); true CFG runs [negative; positive] as one batch where diffusers makes two calls.
 PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1, "dit": 1, "flux_dev": 1,
-                   "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1}
+                   "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1,
+                   "flux_dev_split_out_proj": 1}
 
 TEXT_ROWS = [  # two sizes, >= 2 rows each; some rows with a negative prompt, some with the default ""
     dict(id="a", prompt="A Cat on a mat ", width=64, height=64, seed=1, negative_prompt="blurry"),
@@ -71,6 +72,9 @@ CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffu
     # FLUX.1-dev-like (guidance embedding, resolution-dependent shift) and FLUX.1-schnell-like
     "flux_dev": ("tiny_flux", FLUX_DEV[0], FLUX_DEV[1], FLUX_ROWS, FLUX_DEV[2]),
     "flux_dev_step": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "bcg.scope=step"), FLUX_ROWS, FLUX_DEV[2]),
+    # kernels.split_out_proj: the single-stream blocks' out-projection in two parts (the same sum)
+    "flux_dev_split_out_proj": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "kernels.split_out_proj=true"), FLUX_ROWS,
+                                FLUX_DEV[2]),
     "flux_schnell": ("tiny_flux", FLUX_SCHNELL[0], FLUX_SCHNELL[1], FLUX_ROWS, FLUX_SCHNELL[2]),
     "flux_schnell_step": ("tiny_flux", FLUX_SCHNELL[0], (*FLUX_SCHNELL[1], "bcg.scope=step"), FLUX_ROWS, FLUX_SCHNELL[2]),
     # diffusers' true CFG: negative prompts, [negative; positive] in one batch

@@ -507,3 +507,31 @@ def test_fused_projections_in_flux_compute_the_same():
     with torch.no_grad():
         out = flux.guided_eps(x)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_split_out_projection_in_flux_computes_the_same(fuse_qkv):
+    """kernels.split_out_proj: each single-stream block's proj_out as two layers, one per joined
+    input, summed; alone and with the fused projections: the same step (fp32), proj_out gone."""
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    x = random_inputs(flux)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+    report = apply_kernels(KernelsConfig(split_out_proj=True, fuse_qkv=fuse_qkv), flux, None, shapes=1)
+    singles = flux.transformer.single_transformer_blocks
+    assert report["split_out_proj_blocks"] == len(singles)
+    block = singles[0]
+    assert not hasattr(block, "proj_out") and block.proj_out_mlp.bias is None
+    assert (block.proj_out_attn.in_features, block.proj_out_mlp.in_features) == (block.attn.inner_dim,
+                                                                               block.proj_mlp.out_features)
+    with torch.no_grad():
+        out = flux.guided_eps(x)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_split_out_projection_is_refused_for_other_families(tmp_path):
+    with pytest.raises(UserError, match=r"kernels.split_out_proj=true: .*Flux's single-stream block .*\['flux'\]"):
+        check_kernels(KernelsConfig(split_out_proj=True), "pixart")
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    with pytest.raises(UserError, match=r"set kernels.split_out_proj=false"):  # at start, before any model
+        run(cpu_job(manifest, tmp_path / "out", "kernels.split_out_proj=true"))

@@ -36,7 +36,8 @@ FP8_LINEAR_REL_ERR = 0.06
 FP8_STEP_REL_ERR = 0.1
 # Compiled (fused quantization) against eager float8: the same math, rounded in another order.
 COMPILED_VS_EAGER_REL_ERR = 0.01
-# Fused projections and the GELU epilogue (rounded once from fp32), compiled, against diffusers' bf16 step.
+# Fused projections and the GELU epilogue (rounded once from fp32), and the split out-projection (its
+# parts rounded apart), compiled, against diffusers' bf16 step.
 FUSED_STEP_REL_ERR = 0.02
 
 
@@ -139,19 +140,27 @@ def replayed(adapter, key, inputs, n):
 
 
 @needs_fp8
-def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call():
-    adapter, report, inputs, reference, compiled = with_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"))
-    assert report["fp8_linear_layers"] == 12 + 2 * 5
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call(split):
+    """With kernels.split_out_proj the single blocks' two out-projection parts are float8 layers too."""
+    kernels = KernelsConfig(fp8=True, split_out_proj=split, compile=True, compile_scope="blocks")
+    adapter, report, inputs, reference, compiled = with_kernels(kernels)
+    singles = len(adapter.transformer.single_transformer_blocks)
+    assert report["fp8_linear_layers"] == 12 + 2 * 5 + (singles if split else 0)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
 
-def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_compiled_call():
-    """kernels.fuse_qkv and kernels.fuse_gelu on Flux (both block kinds), under the compiled blocks:
-    close to diffusers' bf16 step, and replayed bit for bit."""
-    kernels = KernelsConfig(attention="cudnn", fuse_qkv=True, fuse_gelu=True, compile=True, compile_scope="blocks")
+@pytest.mark.parametrize("split", [False, True])
+def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_compiled_call(split):
+    """kernels.fuse_qkv and kernels.fuse_gelu on Flux (both block kinds), with and without
+    kernels.split_out_proj, under the compiled blocks: close to diffusers' bf16 step, and replayed
+    bit for bit."""
+    kernels = KernelsConfig(attention="cudnn", fuse_qkv=True, fuse_gelu=True, split_out_proj=split, compile=True,
+                            compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels)
     t = adapter.transformer
+    assert report.get("split_out_proj_blocks", 0) == (len(t.single_transformer_blocks) if split else 0)
     assert report["fused_attention_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
     assert report["fused_gelu_layers"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
     assert rel_err(compiled, reference) < FUSED_STEP_REL_ERR
