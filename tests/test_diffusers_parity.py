@@ -98,6 +98,8 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
         f"sampler.steps={STEPS}", f"sampler.guidance_scale={GUIDANCE}", *job_overrides,
     ))
     assert report["images"]["ok"] == len(rows) and report["model"] == "model"
+    if "kernels.split_out_proj=true" in job_overrides:  # the case compares the split blocks, not diffusers' own
+        assert report["kernels"]["split_out_proj_blocks"] == 2
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
     reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32, **reference_kwargs)
     worst = 0
