@@ -8,8 +8,9 @@ imports optional integrations that are installed (peft), which makes every proce
 
 Prints the interpreter's path and how many distributions it links, of how many installed. A
 requirement that is not installed is an error naming it. Namespace folders shared by several
-distributions (`nvidia/`) are linked whole. Python 3.11+ (it reads pyproject.toml with tomllib). The package itself is not linked: run the
-interpreter from the repository root (`-m pipeline.run` finds it there), as the benchmarks do.
+distributions (`nvidia/`) are linked whole. Python 3.11+ (it reads pyproject.toml with tomllib). The
+package itself is not linked: run the interpreter from the repository root (`-m pipeline.run` finds
+it there), as the benchmarks do.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
 from pipeline.models.base import Adapter
 
 __all__ = [
-    "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats",
+    "CONTIGUOUS_HOOK", "REWRITES", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats",
     "compile_vae_decoder", "decode_in_chunks", "output_kernels", "start_compile_workers", "with_attention",
 ]
 
@@ -100,6 +100,10 @@ NEEDS_CUDA: dict[Option, str] = {
     FUSE_GELU: "cuBLASLt's GELU epilogue is the tanh GELU these models use, while PyTorch's CPU version of the "
                "fused op computes the exact GELU",
 }
+
+# the options that rewrite the model's modules, in the order apply_kernels applies them (after the
+# attention processor, before the probe, fp8 and compile)
+REWRITES = (qkv, gelu, residual, split)
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
 CHECKS = (attention.check, compile.check, decoder.check, fp8.check, residual.check)
@@ -181,7 +185,7 @@ def apply_kernels(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[in
     check_kernels(kernels, adapter.family, adapter.device)
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
     report.update(text.apply(kernels, adapter, texts))
-    for module in (attention, qkv, gelu, residual, split):
+    for module in (attention, *REWRITES):
         report.update(module.apply(kernels, adapter))
     if probe_size is not None:
         report.update(attention.probe(kernels, adapter, probe_size))

@@ -60,9 +60,9 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
 def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
     """Compile this adapter's transformer (kernels.compile) -> the compile settings the job reports:
     where the job keeps the kernels it builds and whether every process runs the same kernels
-    (`reproducible`, with the reason when not), also for the decoder's compile or the Triton layer norm alone (kernels.compile_decoder, which has its
-    own mode and tuning: pipeline.kernels.decoder); with kernels.compile, the transformer's mode,
-    tuning, shapes and scope."""
+    (`reproducible`, with the reason when not), also where it builds only the decoder's compile
+    (kernels.compile_decoder, its own mode and tuning: pipeline.kernels.decoder) or the Triton layer
+    norm; with kernels.compile, the transformer's mode, tuning, shapes and scope."""
     report: dict = {}
     if builds_kernels(kernels, adapter.device):  # where compile_cache put them (None outside a job)
         why = not_reproducible(kernels)

@@ -203,9 +203,7 @@ class ResidualStream:
             raise RuntimeError("kernels.fuse_residual: the blocks' parameters were moved or replaced after the block "
                                "was fused (they no longer share the stacked tensors); apply the kernels after the model "
                                "is where and what it runs as")
-        values = self.constants(step, *self.stack.tensors())
-        assert len(values) == len(fields(StepConstants)), len(values)
-        self.step = StepConstants(*values)
+        self.step = StepConstants(*self.constants(step, *self.stack.tensors()))
         return self.step
 
     def current(self, who: str = "a block") -> StepConstants:
