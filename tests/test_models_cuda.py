@@ -42,6 +42,8 @@ FUSED_STEP_REL_ERR = 0.02
 
 
 def tiny_flux():
+    """A new tiny Flux, dynamo's state reset (as in a job's process: each test's compiles count alone)."""
+    torch._dynamo.reset()
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     return build_model(model_config("tiny_flux"), torch.device("cuda"), torch.bfloat16)
 
