@@ -13,7 +13,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   compile_scope=blocks, dynamic shapes, fixed tuning), replayed from our graphs;
 - `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
   makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `split`
-  (kernels.split_out_proj: the single-stream blocks' out-projection without the joined copy), `autotune`
+  (kernels.split_out_proj: the single-stream blocks' out-projection without the joined copy), `hoist`
+  (kernels.hoist_modulation: every step's modulation projections computed once per batch), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
@@ -92,6 +93,7 @@ VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the d
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
+         "hoist": {"hoist_modulation": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
          "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}

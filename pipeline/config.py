@@ -130,6 +130,11 @@ class KernelsConfig:
     # own parts of proj_out and adds the two, instead of joining them into one tensor first (a copy of
     # both per block and step). The same sum, rounded per part.
     split_out_proj: bool = False
+    # Flux: every norm's modulation projection (scales, shifts, gates from the time, guidance and
+    # pooled-prompt embedding) computed for all steps of a batch before the first, each weight read
+    # once per batch instead of once per step; each step reads its precomputed vector. The same
+    # projections, rounded by a matmul over more rows. bcg.scope forward or step (not loop).
+    hoist_modulation: bool = False
     # PixArt: pad prompts to the manifest's longest prompt (rounded up to 64 tokens) instead of
     # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
     # same up to rounding; cross-attention and text encoding do less work.

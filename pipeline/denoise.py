@@ -100,9 +100,12 @@ class Denoiser:
         if self.scope == "loop":
             return self.engine.run(key, {"x": x, "g": guidance, **cond}, n)
         prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        timesteps = self.sampler_at(height, width).timestep(torch.arange(self.steps, device=x.device))
+        per_step = self.adapter.per_step_conditioning(cond, guidance, timesteps)
         for k in range(self.steps):
             i = torch.full((n,), k, dtype=torch.int64, device=x.device)
-            x, prev = self.engine.run(key, {"x": x, "i": i, "prev": prev, "g": guidance, **cond}, n)
+            step_cond = cond if per_step is None else per_step(k)
+            x, prev = self.engine.run(key, {"x": x, "i": i, "prev": prev, "g": guidance, **step_cond}, n)
         return x
 
     def _denoise_forward(self, key: ShapeKey, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor) -> torch.Tensor:
@@ -112,9 +115,11 @@ class Denoiser:
         # Flow-matching schedulers have neither (diffusers' SD3 pipeline uses neither).
         x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
         scale = getattr(scheduler, "scale_model_input", lambda sample, t: sample)
-        for t in scheduler.timesteps:
+        per_step = self.adapter.per_step_conditioning(cond, guidance, scheduler.timesteps.to(torch.float32))
+        for k, t in enumerate(scheduler.timesteps):
             model_x = scale(x, t)
-            eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **cond}, n)
+            step_cond = cond if per_step is None else per_step(k)
+            eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **step_cond}, n)
             x = scheduler.step(eps, t, x, return_dict=False)[0]
         return x
 

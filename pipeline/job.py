@@ -24,6 +24,7 @@ from pipeline.calibrate import save_choice
 from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
 from pipeline.denoise import Denoiser, sampler_label
+from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
@@ -201,6 +202,10 @@ def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
     """The kernel settings refused before the model is built (a pretrained checkpoint's family is
     known only once its model_index.json is read; apply_kernels checks again then)."""
     check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
+    if cfg.kernels.hoist_modulation and cfg.bcg.scope == "loop":
+        raise UserError("kernels.hoist_modulation=true gives each step its own precomputed modulation input, and "
+                        "bcg.scope=loop runs every step of a batch in one graph with one set of inputs; set "
+                        "bcg.scope=step (or forward), or kernels.hoist_modulation=false")
 
 
 def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Schema]:

@@ -20,7 +20,7 @@ from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, compile_vae_decoder,
-                              decode_in_chunks, with_attention)
+                              decode_in_chunks, output_kernels, with_attention)
 from pipeline.kernels.attention import FLASH_ATTN_OP, probe_attention, use_flash_attn
 from pipeline.kernels.compile import CACHE_ENV, compile_options
 from pipeline.kernels.decoder import padding_note
@@ -199,8 +199,6 @@ def test_the_compiled_preset_serves_every_family_and_the_flux_bench():
     """kernels=compiled (every family's exact compiled path) passes the checks for each family, also
     under +job=bench with its PixArt-only text trimming turned off, and its kernels count in the
     settings digest like any compile."""
-    from pipeline.kernels import output_kernels
-
     for family in ("pixart", "sd3", "dit", "flux"):
         check_kernels(job_config("manifest.path=m.parquet", "kernels=compiled").kernels, family)
     bench = job_config("+job=bench", "model=flux_dev", "kernels=compiled", "kernels.trim_text_padding=false").kernels
@@ -527,6 +525,46 @@ def test_split_out_projection_in_flux_computes_the_same(fuse_qkv):
     with torch.no_grad():
         out = flux.guided_eps(x)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
+def test_hoisted_modulation_in_flux_gives_every_step_what_the_step_computed(true_cfg):
+    """kernels.hoist_modulation: each step's modulation vectors, computed for all steps at once
+    before the first (true CFG: for the negative and the positive prompt), give each step the
+    model output it computed with its own projections (fp32; a matmul over more rows may round
+    otherwise). The conditioning input `pooled` carries the vector: its spec says its width."""
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    flux = flux.with_true_cfg(true_cfg) if true_cfg > 1 else flux
+    specs, n = flux.input_specs(64, 64), 3
+    gen = torch.Generator().manual_seed(0)
+    cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
+    x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0, 7.0])
+    timesteps = torch.tensor([1000.0, 750.0, 333.3, 20.0])
+    assert flux.per_step_conditioning(cond, guidance, timesteps) is None  # off: the same conditioning every step
+    with torch.no_grad():
+        reference = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **cond}) for t in timesteps]
+    report = apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
+    t = flux.transformer
+    assert report["hoisted_modulation_norms"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks) + 1
+    width = report["modulation_width"]
+    assert flux.input_specs(64, 64)["pooled"].shape == (specs["pooled"].shape[0], width)
+    per_step = flux.per_step_conditioning(cond, guidance, timesteps)
+    with torch.no_grad():
+        for k, (t_k, ref) in enumerate(zip(timesteps, reference)):
+            step_cond = per_step(k)
+            assert step_cond["pooled"].shape == (n, specs["pooled"].shape[0], width)
+            out = flux.guided_eps({"x": x, "t": t_k.expand(n), "g": guidance, **step_cond})
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_hoisted_modulation_is_refused_for_other_families_and_the_loop_scope(tmp_path):
+    with pytest.raises(UserError, match=r"kernels.hoist_modulation=true: .*Flux's .*\['flux'\].*set kernels.hoist_modulation=false"):
+        check_kernels(KernelsConfig(hoist_modulation=True), "pixart")
+    assert output_kernels(KernelsConfig(hoist_modulation=True))["hoist_modulation"]  # a resume with it off is refused
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    with pytest.raises(UserError, match=r"bcg.scope=loop .*set bcg.scope=step \(or forward\), or kernels.hoist_modulation=false"):
+        run(cpu_job(manifest, tmp_path / "out", "model=tiny_flux", "kernels.hoist_modulation=true", "bcg.scope=loop"))
+    assert not (tmp_path / "out" / "images").exists()
 
 
 def test_split_out_projection_is_refused_for_other_families(tmp_path):

@@ -7,6 +7,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - gelu: kernels.fuse_gelu
 - residual: kernels.fuse_residual (norm: its layer norm's Triton kernel on CUDA)
 - split: kernels.split_out_proj
+- modulation: kernels.hoist_modulation
 - fp8: kernels.fp8
 - compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
 - decoder: kernels.compile_decoder, kernels.decode_chunk
@@ -27,7 +28,7 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import attention, compile, decoder, fp8, gelu, norm, qkv, residual, split, text
+from pipeline.kernels import attention, compile, decoder, fp8, gelu, modulation, norm, qkv, residual, split, text
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
@@ -58,7 +59,7 @@ FLASH_ATTN = Option("attention=flash_attn", lambda k: k.attention == "flash_attn
                     f"kernels.attention to auto or one of PyTorch's SDPA backends {list(SDPA)}")
 FUSE_QKV, FUSE_GELU, FUSE_RESIDUAL = switch("fuse_qkv"), switch("fuse_gelu"), switch("fuse_residual")
 FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
-SPLIT_OUT_PROJ = switch("split_out_proj")
+SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 
@@ -70,6 +71,8 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FUSE_RESIDUAL: (("pixart",), "the block it rewrites is PixArt's (model families {families}); this model is {family!r}"),
     SPLIT_OUT_PROJ: (("flux",), "the block it rewrites is Flux's single-stream block (model families {families}); this "
                                 "model is {family!r}"),
+    HOIST_MODULATION: (("flux",), "the modulation it precomputes is Flux's (one time, guidance and pooled-prompt "
+                                  "embedding for every norm; model families {families}); this model is {family!r}"),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
     # fp8 goes with kernels.compile (which fuses the activations' quantization) and under our graphs.
@@ -103,7 +106,7 @@ NEEDS_CUDA: dict[Option, str] = {
 
 # the options that rewrite the model's modules, in the order apply_kernels applies them (after the
 # attention processor, before the probe, fp8 and compile)
-REWRITES = (qkv, gelu, residual, split)
+REWRITES = (qkv, gelu, residual, split, modulation)
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
 CHECKS = (attention.check, compile.check, decoder.check, fp8.check, residual.check)
@@ -158,7 +161,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
-    for key in ("fuse_qkv", "fp8", "fuse_gelu", "fuse_residual", "split_out_proj", "trim_text_padding"):  # switches count only when on
+    for key in ("fuse_qkv", "fp8", "fuse_gelu", "fuse_residual", "split_out_proj", "hoist_modulation",
+                "trim_text_padding"):  # switches count only when on
         if getattr(kernels, key):
             out[key] = True
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
@@ -179,7 +183,7 @@ def apply_kernels(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[in
                   texts: Iterable[str] | None = None) -> dict:
     """Set the kernels of this adapter's modules, in order: the text length (from every prompt the
     job may encode, `texts`), the attention processor, fused projections, GELU and residual adds,
-    Flux's split out-projection;
+    Flux's split out-projection and its precomputed modulation;
     then observe which attention backend serves its calls (one eager CFG forward, 1 row, at
     `probe_size`); then fp8, then compile (for `shapes` shapes) -> stats.json's `kernels`."""
     check_kernels(kernels, adapter.family, adapter.device)

@@ -104,13 +104,40 @@ class FluxAdapter(TextEncodedVAE):
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         """Conditioning [K, ...] per row: K = 1 (the prompt), or 2 ([negative, positive]) with true CFG."""
         config, k = self.transformer.config, 2 if self.uses_cfg else 1
+        hoisted = self._hoisted_modulation()
         return {
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
             "emb": InputSpec((k, self.max_sequence_length, config.joint_attention_dim), self.dtype),
-            "pooled": InputSpec((k, config.pooled_projection_dim), self.dtype),
+            # kernels.hoist_modulation: the step's precomputed modulation vector in its place
+            "pooled": InputSpec((k, config.pooled_projection_dim if hoisted is None else hoisted.width), self.dtype),
         }
+
+    def _hoisted_modulation(self) -> torch.nn.Module | None:
+        """kernels.hoist_modulation's stand-in for the time embedding (pipeline.kernels.modulation), or None."""
+        embedding = self.transformer.time_text_embed
+        return embedding if hasattr(embedding, "modulation_table") else None
+
+    def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor,
+                              timesteps: torch.Tensor) -> Callable[[int], dict[str, torch.Tensor]] | None:
+        """With kernels.hoist_modulation: every step's modulation vector of every row, computed now
+        from the rows' pooled prompts [n, K, P] and guidance [n] and the steps' timesteps [steps]
+        (float32, as `t`) with each value rounded as guided_eps and the transformer's forward round
+        it -> step -> the conditioning with "pooled" [n, K, width]. Else None."""
+        hoisted = self._hoisted_modulation()
+        if hoisted is None:
+            return None
+        pooled = cond["pooled"]
+        n, k, steps = pooled.shape[0], pooled.shape[1], timesteps.shape[0]
+        timestep = (timesteps.to(self.dtype) / 1000).to(self.dtype) * 1000  # guided_eps, then the forward
+        # rows in (step, row, k) order: a step's vectors are one contiguous [n, K, width] block
+        embedded = (guidance.to(self.dtype) * 1000).repeat_interleave(k).repeat(steps) \
+            if self.transformer.config.guidance_embeds else None
+        vectors = hoisted.modulation_table(timestep.repeat_interleave(n * k), embedded,
+                                           pooled.reshape(n * k, -1).repeat(steps, 1)).view(steps, n, k, -1)
+        # a tensor of its own per step: compiled blocks given a view of the table would compile again
+        return lambda step: {**cond, "pooled": vectors[step].clone()}
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step's model output, graph-safe: x [B,16,h,w], t [B] (sigma x 1000), g [B] (guidance
