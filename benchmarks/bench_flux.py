@@ -14,7 +14,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
 - `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
   makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `split`
   (kernels.split_out_proj: the single-stream blocks' out-projection without the joined copy), `hoist`
-  (kernels.hoist_modulation: every step's modulation projections computed once per batch), `autotune`
+  (kernels.hoist_modulation: every step's modulation projections computed once per batch; its steps are
+  timed without that batch's table, which the cases include), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder

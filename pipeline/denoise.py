@@ -19,6 +19,7 @@ import diffusers
 import torch
 
 from bcg.buffers import InputSpec
+from bcg.buckets import pick_bucket
 from bcg.engine import BCGEngine, Output, ShapeKey
 from pipeline.errors import UserError
 from pipeline.models.base import Adapter
@@ -38,12 +39,21 @@ def sampler_label(scope: str, sampler: str, scheduler_class: str) -> str:
     return scheduler_class if sampler == "default" else SAMPLERS[sampler]
 
 
+# kernels.hoist_modulation (the only setting that gives each step its own conditioning), refused at
+# the job's start and by the denoiser
+LOOP_REFUSAL = ("kernels.hoist_modulation=true gives each step its own precomputed modulation input, and "
+                "bcg.scope=loop runs every step of a batch in one graph with one set of inputs; set "
+                "bcg.scope=step (or forward), or kernels.hoist_modulation=false")
+
+
 class Denoiser:
     """Owns the sampler and the engine for one job; `denoise` runs one batch."""
 
     def __init__(self, adapter: Adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine] | None = None):
         if scope not in SCOPES:
             raise UserError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
+        if scope == "loop" and adapter.conditioning_varies_per_step:
+            raise UserError(LOOP_REFUSAL)
         self.adapter = adapter
         self.scope = scope
         self.steps = steps
@@ -101,7 +111,7 @@ class Denoiser:
             return self.engine.run(key, {"x": x, "g": guidance, **cond}, n)
         prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         timesteps = self.sampler_at(height, width).timestep(torch.arange(self.steps, device=x.device))
-        per_step = self.adapter.per_step_conditioning(cond, guidance, timesteps)
+        per_step = self._per_step(cond, guidance, timesteps, n)
         for k in range(self.steps):
             i = torch.full((n,), k, dtype=torch.int64, device=x.device)
             step_cond = cond if per_step is None else per_step(k)
@@ -115,13 +125,18 @@ class Denoiser:
         # Flow-matching schedulers have neither (diffusers' SD3 pipeline uses neither).
         x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
         scale = getattr(scheduler, "scale_model_input", lambda sample, t: sample)
-        per_step = self.adapter.per_step_conditioning(cond, guidance, scheduler.timesteps.to(torch.float32))
+        per_step = self._per_step(cond, guidance, scheduler.timesteps.to(torch.float32), n)
         for k, t in enumerate(scheduler.timesteps):
             model_x = scale(x, t)
             step_cond = cond if per_step is None else per_step(k)
             eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **step_cond}, n)
             x = scheduler.step(eps, t, x, return_dict=False)[0]
         return x
+
+    def _per_step(self, cond: Inputs, guidance: torch.Tensor, timesteps: torch.Tensor, n: int):
+        """The adapter's per-step conditioning of these n rows (None: `cond` every step), made over
+        the bucket they run in."""
+        return self.adapter.per_step_conditioning(cond, guidance, timesteps, pick_bucket(self.engine.ladder, n))
 
     @property
     def sampler_label(self) -> str:

@@ -23,7 +23,7 @@ from bcg.engine import BCGEngine
 from pipeline.calibrate import save_choice
 from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
-from pipeline.denoise import Denoiser, sampler_label
+from pipeline.denoise import LOOP_REFUSAL, Denoiser, sampler_label
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
@@ -203,9 +203,7 @@ def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
     known only once its model_index.json is read; apply_kernels checks again then)."""
     check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
     if cfg.kernels.hoist_modulation and cfg.bcg.scope == "loop":
-        raise UserError("kernels.hoist_modulation=true gives each step its own precomputed modulation input, and "
-                        "bcg.scope=loop runs every step of a batch in one graph with one set of inputs; set "
-                        "bcg.scope=step (or forward), or kernels.hoist_modulation=false")
+        raise UserError(LOOP_REFUSAL)
 
 
 def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Schema]:

@@ -36,7 +36,7 @@ GUIDANCE = 4.5
 PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1, "dit": 1, "flux_dev": 1,
                    "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1,
                    "flux_dev_split_out_proj": 1, "flux_dev_hoist_modulation": 1, "flux_dev_step_hoist_modulation": 1,
-                   "flux_true_cfg_hoist_modulation": 1}
+                   "flux_schnell_hoist_modulation": 1, "flux_true_cfg_hoist_modulation": 1}
 
 TEXT_ROWS = [  # two sizes, >= 2 rows each; some rows with a negative prompt, some with the default ""
     dict(id="a", prompt="A Cat on a mat ", width=64, height=64, seed=1, negative_prompt="blurry"),
@@ -82,6 +82,8 @@ CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffu
                                   FLUX_DEV[2]),
     "flux_dev_step_hoist_modulation": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "kernels.hoist_modulation=true",
                                                                    "bcg.scope=step"), FLUX_ROWS, FLUX_DEV[2]),
+    "flux_schnell_hoist_modulation": ("tiny_flux", FLUX_SCHNELL[0], (*FLUX_SCHNELL[1], "kernels.hoist_modulation=true"),
+                                      FLUX_ROWS, FLUX_SCHNELL[2]),
     "flux_true_cfg_hoist_modulation": ("tiny_flux", FLUX_SCHNELL[0], (*FLUX_SCHNELL[1], "kernels.hoist_modulation=true",
                                                                        f"sampler.true_cfg_scale={TRUE_CFG}"),
                                        TEXT_ROWS, {**FLUX_SCHNELL[2], "true_cfg_scale": TRUE_CFG}),
@@ -111,7 +113,8 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
     if "kernels.split_out_proj=true" in job_overrides:  # the case compares the split blocks, not diffusers' own
         assert report["kernels"]["split_out_proj_blocks"] == 2
     if "kernels.hoist_modulation=true" in job_overrides:  # 2 norms per double block, 1 per single one, norm_out
-        assert report["kernels"]["hoisted_modulation_norms"] == 2 * 1 + 2 + 1
+        arch = job_config(f"model={model}", "manifest.path=m", "output.dir=o").model.arch["transformer"]
+        assert report["kernels"]["hoisted_modulation_norms"] == 2 * arch["num_layers"] + arch["num_single_layers"] + 1
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
     reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32, **reference_kwargs)
     worst = 0

@@ -17,6 +17,7 @@ import torch
 from conftest import cpu_job, job_config, model_config, png, rows, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
+from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, compile_vae_decoder,
@@ -540,7 +541,7 @@ def test_hoisted_modulation_in_flux_gives_every_step_what_the_step_computed(true
     cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
     x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0, 7.0])
     timesteps = torch.tensor([1000.0, 750.0, 333.3, 20.0])
-    assert flux.per_step_conditioning(cond, guidance, timesteps) is None  # off: the same conditioning every step
+    assert flux.per_step_conditioning(cond, guidance, timesteps, n) is None  # off: the same conditioning every step
     with torch.no_grad():
         reference = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **cond}) for t in timesteps]
     report = apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
@@ -548,13 +549,16 @@ def test_hoisted_modulation_in_flux_gives_every_step_what_the_step_computed(true
     assert report["hoisted_modulation_norms"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks) + 1
     width = report["modulation_width"]
     assert flux.input_specs(64, 64)["pooled"].shape == (specs["pooled"].shape[0], width)
-    per_step = flux.per_step_conditioning(cond, guidance, timesteps)
+    per_step = flux.per_step_conditioning(cond, guidance, timesteps, 4)  # the 3 rows in a bucket of 4
     with torch.no_grad():
         for k, (t_k, ref) in enumerate(zip(timesteps, reference)):
             step_cond = per_step(k)
             assert step_cond["pooled"].shape == (n, specs["pooled"].shape[0], width)
             out = flux.guided_eps({"x": x, "t": t_k.expand(n), "g": guidance, **step_cond})
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # a row's vectors come from the bucket's matmul whatever its batch-mates: alone, the same bytes
+    alone = flux.per_step_conditioning({name: c[1:2] for name, c in cond.items()}, guidance[1:2], timesteps, 4)
+    assert all(torch.equal(alone(k)["pooled"][0], per_step(k)["pooled"][1]) for k in range(len(timesteps)))
 
 
 def test_hoisted_modulation_is_refused_for_other_families_and_the_loop_scope(tmp_path):
@@ -562,9 +566,16 @@ def test_hoisted_modulation_is_refused_for_other_families_and_the_loop_scope(tmp
         check_kernels(KernelsConfig(hoist_modulation=True), "pixart")
     assert output_kernels(KernelsConfig(hoist_modulation=True))["hoist_modulation"]  # a resume with it off is refused
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
-    with pytest.raises(UserError, match=r"bcg.scope=loop .*set bcg.scope=step \(or forward\), or kernels.hoist_modulation=false"):
+    refusal = r"bcg.scope=loop .*set bcg.scope=step \(or forward\), or kernels.hoist_modulation=false"
+    with pytest.raises(UserError, match=refusal):
         run(cpu_job(manifest, tmp_path / "out", "model=tiny_flux", "kernels.hoist_modulation=true", "bcg.scope=loop"))
     assert not (tmp_path / "out" / "images").exists()
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
+    with pytest.raises(UserError, match=refusal):  # a denoiser made outside a job refuses it too
+        Denoiser(flux, "loop", "default", 2)
+    with pytest.raises(UserError, match="already precomputed"):
+        apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
 
 
 def test_split_out_projection_is_refused_for_other_families(tmp_path):

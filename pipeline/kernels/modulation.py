@@ -42,7 +42,13 @@ def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
 def hoist_modulation(transformer: torch.nn.Module) -> "PrecomputedModulation":
     """This Flux transformer instance with its time embedding replaced by a PrecomputedModulation and
     every modulated norm's projection by a Window into its vector -> the PrecomputedModulation."""
-    norms = [m for m in (*transformer.modules(),) if is_modulated_norm(m)]
+    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    if isinstance(getattr(transformer, "time_text_embed", None), PrecomputedModulation):
+        raise UserError("kernels.hoist_modulation=true: this transformer's modulation is already precomputed (the "
+                        "setting was applied twice); set it once")
+    kinds = (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous)
+    norms = [m for m in transformer.modules() if is_modulated_norm(m, kinds)]
     if not norms or not hasattr(transformer, "time_text_embed"):
         raise UserError("kernels.hoist_modulation=true: this transformer has no Flux time embedding with modulated "
                         "norms to precompute; set kernels.hoist_modulation=false")
@@ -57,12 +63,9 @@ def hoist_modulation(transformer: torch.nn.Module) -> "PrecomputedModulation":
     return embedding
 
 
-def is_modulated_norm(module: torch.nn.Module) -> bool:
-    """A norm that projects SiLU(conditioning) with its own linear layer and has no embedding of its
-    own: diffusers' AdaLayerNormZero (emb=None), AdaLayerNormZeroSingle, AdaLayerNormContinuous."""
-    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
-
-    kinds = (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous)
+def is_modulated_norm(module: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
+    """A norm of `kinds` (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous)
+    that projects SiLU(conditioning) with its own linear layer and has no embedding of its own."""
     return (isinstance(module, kinds) and getattr(module, "emb", None) is None
             and isinstance(module.linear, torch.nn.Linear) and isinstance(module.silu, torch.nn.SiLU))
 
@@ -107,4 +110,7 @@ class PrecomputedModulation(torch.nn.Module):
         transformer's forward gives them to its time embedding (scaled by 1000) -> [R, width]."""
         args = (timestep, pooled) if guidance is None else (timestep, guidance, pooled)
         embedding = self.embed(*args)
-        return torch.cat([w.project(embedding) for w in self.windows], dim=-1)
+        table = embedding.new_empty((embedding.shape[0], self.width))
+        for w in self.windows:  # each window's projection written into its columns (no second copy)
+            table[:, w.offset:w.offset + w.width] = w.project(embedding)
+        return table

@@ -69,11 +69,17 @@ class Adapter(Protocol):
         guidance combine, without it a forward over the prompts (B rows) -> the model output the
         scheduler steps with, [B, C, h, w]."""
 
-    def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor,
-                              timesteps: torch.Tensor) -> Callable[[int], dict[str, torch.Tensor]] | None:
+    @property
+    def conditioning_varies_per_step(self) -> bool:
+        """Whether `per_step_conditioning` gives each step its own conditioning (bcg.scope=loop, one
+        set of inputs for every step, cannot take it)."""
+
+    def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor, timesteps: torch.Tensor,
+                              rows: int) -> Callable[[int], dict[str, torch.Tensor]] | None:
         """Conditioning that differs per step, made before the first: cond {name: [n, K, ...]}, guidance
-        [n], the steps' timesteps [steps] (float32, as `t`) -> step index -> that step's conditioning;
-        None (most families, and Flux unless kernels.hoist_modulation): `cond` at every step."""
+        [n], the steps' timesteps [steps] (float32, as `t`), `rows` the bucket the n rows run in ->
+        step index -> that step's conditioning; None (most families, and Flux unless
+        kernels.hoist_modulation): `cond` at every step."""
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """latents [B, C, h, w] -> images [B, 3, H, W] in [-1, 1]."""
@@ -143,7 +149,9 @@ class TransformerVAE:
         """A fresh scheduler per batch: diffusers' schedulers keep per-run state (step index, history)."""
         return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
 
-    def per_step_conditioning(self, cond, guidance, timesteps):
+    conditioning_varies_per_step = False
+
+    def per_step_conditioning(self, cond, guidance, timesteps, rows):
         return None
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:

@@ -119,25 +119,35 @@ class FluxAdapter(TextEncodedVAE):
         embedding = self.transformer.time_text_embed
         return embedding if hasattr(embedding, "modulation_table") else None
 
-    def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor,
-                              timesteps: torch.Tensor) -> Callable[[int], dict[str, torch.Tensor]] | None:
+    @property
+    def conditioning_varies_per_step(self) -> bool:
+        return self._hoisted_modulation() is not None
+
+    def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor, timesteps: torch.Tensor,
+                              rows: int) -> Callable[[int], dict[str, torch.Tensor]] | None:
         """With kernels.hoist_modulation: every step's modulation vector of every row, computed now
         from the rows' pooled prompts [n, K, P] and guidance [n] and the steps' timesteps [steps]
-        (float32, as `t`) with each value rounded as guided_eps and the transformer's forward round
-        it -> step -> the conditioning with "pooled" [n, K, width]. Else None."""
+        (float32, as `t`), each value rounded as guided_eps and the transformer's forward round it,
+        over `rows` rows (the bucket: padded with zeros, so that a row's vectors come from the same
+        matmul whatever its batch-mates) -> step -> the conditioning with "pooled" [n, K, width].
+        Else None."""
         hoisted = self._hoisted_modulation()
         if hoisted is None:
             return None
-        pooled = cond["pooled"]
-        n, k, steps = pooled.shape[0], pooled.shape[1], timesteps.shape[0]
-        timestep = (timesteps.to(self.dtype) / 1000).to(self.dtype) * 1000  # guided_eps, then the forward
-        # rows in (step, row, k) order: a step's vectors are one contiguous [n, K, width] block
-        embedded = (guidance.to(self.dtype) * 1000).repeat_interleave(k).repeat(steps) \
-            if self.transformer.config.guidance_embeds else None
-        vectors = hoisted.modulation_table(timestep.repeat_interleave(n * k), embedded,
-                                           pooled.reshape(n * k, -1).repeat(steps, 1)).view(steps, n, k, -1)
+        n, k, steps = cond["pooled"].shape[0], cond["pooled"].shape[1], timesteps.shape[0]
+        pooled = torch.zeros((rows, *cond["pooled"].shape[1:]), dtype=self.dtype, device=self.device)
+        pooled[:n] = cond["pooled"]
+        # table rows in (step, row, k) order: a step's vectors are one contiguous [rows, K, width] block
+        guidance_rows = None
+        if self.transformer.config.guidance_embeds:
+            padded = torch.zeros(rows, dtype=guidance.dtype, device=guidance.device)
+            padded[:n] = guidance
+            guidance_rows = (padded.to(self.dtype) * 1000).repeat_interleave(k).repeat(steps)  # as the forward
+        vectors = hoisted.modulation_table(
+            (transformer_timestep(timesteps, self.dtype) * 1000).repeat_interleave(rows * k), guidance_rows,
+            pooled.reshape(rows * k, -1).repeat(steps, 1)).view(steps, rows, k, -1)
         # a tensor of its own per step: compiled blocks given a view of the table would compile again
-        return lambda step: {**cond, "pooled": vectors[step].clone()}
+        return lambda step: {**cond, "pooled": vectors[step, :n].clone()}
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step's model output, graph-safe: x [B,16,h,w], t [B] (sigma x 1000), g [B] (guidance
@@ -154,7 +164,7 @@ class FluxAdapter(TextEncodedVAE):
         guidance = g if self.transformer.config.guidance_embeds else None
         out = self.transformer(
             hidden_states=torch.cat([packed] * k),
-            timestep=torch.cat([t.to(x.dtype) / 1000] * k),  # FluxPipeline: t in the latents' dtype, / 1000
+            timestep=torch.cat([transformer_timestep(t, x.dtype)] * k),
             guidance=None if guidance is None else torch.cat([guidance] * k),
             pooled_projections=pooled,
             encoder_hidden_states=emb,
@@ -171,6 +181,12 @@ class FluxAdapter(TextEncodedVAE):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_shifted(self.vae, latents)
+
+
+def transformer_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The transformer's timestep argument for our `t` (sigma x 1000), as FluxPipeline gives it: t in
+    the model's dtype, / 1000 (the transformer's forward multiplies it by 1000 again)."""
+    return t.to(dtype) / 1000
 
 
 def position_ids(h: int, w: int, text_length: int, device: torch.device, dtype: torch.dtype):
