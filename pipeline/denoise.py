@@ -110,8 +110,8 @@ class Denoiser:
         if self.scope == "loop":
             return self.engine.run(key, {"x": x, "g": guidance, **cond}, n)
         prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        timesteps = self.sampler_at(height, width).timestep(torch.arange(self.steps, device=x.device))
-        per_step = self._per_step(cond, guidance, timesteps, n)
+        sampler = self.sampler_at(height, width)
+        per_step = self._per_step(cond, guidance, lambda: sampler.timestep(torch.arange(self.steps, device=x.device)), n)
         for k in range(self.steps):
             i = torch.full((n,), k, dtype=torch.int64, device=x.device)
             step_cond = cond if per_step is None else per_step(k)
@@ -125,7 +125,7 @@ class Denoiser:
         # Flow-matching schedulers have neither (diffusers' SD3 pipeline uses neither).
         x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
         scale = getattr(scheduler, "scale_model_input", lambda sample, t: sample)
-        per_step = self._per_step(cond, guidance, scheduler.timesteps.to(torch.float32), n)
+        per_step = self._per_step(cond, guidance, lambda: scheduler.timesteps.to(torch.float32), n)
         for k, t in enumerate(scheduler.timesteps):
             model_x = scale(x, t)
             step_cond = cond if per_step is None else per_step(k)
@@ -133,10 +133,12 @@ class Denoiser:
             x = scheduler.step(eps, t, x, return_dict=False)[0]
         return x
 
-    def _per_step(self, cond: Inputs, guidance: torch.Tensor, timesteps: torch.Tensor, n: int):
-        """The adapter's per-step conditioning of these n rows (None: `cond` every step), made over
-        the bucket they run in."""
-        return self.adapter.per_step_conditioning(cond, guidance, timesteps, pick_bucket(self.engine.ladder, n))
+    def _per_step(self, cond: Inputs, guidance: torch.Tensor, timesteps: Callable[[], torch.Tensor], n: int):
+        """The adapter's per-step conditioning of these n rows, made over the bucket they run in, from
+        the steps' timesteps (`timesteps()`, asked for only then); None: `cond` every step."""
+        if not self.adapter.conditioning_varies_per_step:
+            return None
+        return self.adapter.per_step_conditioning(cond, guidance, timesteps(), pick_bucket(self.engine.ladder, n))
 
     @property
     def sampler_label(self) -> str:

@@ -30,7 +30,7 @@ from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from bcg.buffers import InputSpec
+from bcg.buffers import InputSpec, pad_rows
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
 from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
@@ -135,14 +135,13 @@ class FluxAdapter(TextEncodedVAE):
         if hoisted is None:
             return None
         n, k, steps = cond["pooled"].shape[0], cond["pooled"].shape[1], timesteps.shape[0]
-        pooled = torch.zeros((rows, *cond["pooled"].shape[1:]), dtype=self.dtype, device=self.device)
-        pooled[:n] = cond["pooled"]
+        specs = {"pooled": InputSpec(tuple(cond["pooled"].shape[1:]), self.dtype), "g": InputSpec((), torch.float32)}
+        padded = pad_rows(specs, {"pooled": cond["pooled"], "g": guidance}, n, rows)  # as the engine pads them
+        pooled = padded["pooled"]
         # table rows in (step, row, k) order: a step's vectors are one contiguous [rows, K, width] block
         guidance_rows = None
         if self.transformer.config.guidance_embeds:
-            padded = torch.zeros(rows, dtype=guidance.dtype, device=guidance.device)
-            padded[:n] = guidance
-            guidance_rows = (padded.to(self.dtype) * 1000).repeat_interleave(k).repeat(steps)  # as the forward
+            guidance_rows = (padded["g"].to(self.dtype) * 1000).repeat_interleave(k).repeat(steps)  # as the forward
         vectors = hoisted.modulation_table(
             (transformer_timestep(timesteps, self.dtype) * 1000).repeat_interleave(rows * k), guidance_rows,
             pooled.reshape(rows * k, -1).repeat(steps, 1)).view(steps, rows, k, -1)
