@@ -70,6 +70,19 @@ def is_modulated_norm(module: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
             and isinstance(module.linear, torch.nn.Linear) and isinstance(module.silu, torch.nn.SiLU))
 
 
+@torch.library.custom_op("bcg::take_window", mutates_args=())
+def take_window(vector: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """vector[..., index] as a contiguous tensor of its own. An operator opaque to torch.compile: inlined,
+    the gather would be fused into every kernel that reads a scale, shift or gate, each of them loading
+    an index and then its value for every element instead of one contiguous row."""
+    return vector.index_select(-1, index)
+
+
+@take_window.register_fake
+def _take_window_shape(vector: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return vector.new_empty((*vector.shape[:-1], index.shape[0]))
+
+
 class Window(torch.nn.Module):
     """A norm's modulation projection, replaced: its columns of the precomputed vector. The layer it
     replaces (`projection`, with its SiLU) computes that window in `modulation_table`."""
@@ -83,7 +96,7 @@ class Window(torch.nn.Module):
                              persistent=False)
 
     def forward(self, vector: torch.Tensor) -> torch.Tensor:
-        return vector.index_select(-1, self.index)
+        return take_window(vector, self.index)
 
     def project(self, embedding: torch.Tensor) -> torch.Tensor:
         """What the replaced layer computed from the time embedding (diffusers' norms: linear(silu(emb)))."""
