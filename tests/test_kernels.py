@@ -561,6 +561,36 @@ def test_hoisted_modulation_in_flux_gives_every_step_what_the_step_computed(true
     assert all(torch.equal(alone(k)["pooled"][0], per_step(k)["pooled"][1]) for k in range(len(timesteps)))
 
 
+@pytest.mark.slow
+def test_hoisted_modulation_compiles_as_many_block_graphs_as_without_it_and_steps_the_same():
+    """Under compiled blocks the windows' operator compiles inside the blocks' graphs (no break: no
+    more graphs than the model without the setting), and each compiled step computes what the eager
+    model's step computes."""
+    timesteps, n = torch.tensor([1000.0, 400.0]), 2
+
+    def steps(kernels: KernelsConfig) -> tuple[list[torch.Tensor], int]:
+        torch._dynamo.reset()
+        flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+        specs, gen = flux.input_specs(64, 64), torch.Generator().manual_seed(0)
+        cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
+        x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0])
+        before = compile_stats()
+        apply_kernels(kernels, flux, None, shapes=1)
+        per_step = flux.per_step_conditioning(cond, guidance, timesteps, n)
+        with torch.no_grad():
+            outs = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **(per_step(k) if per_step else cond)})
+                    for k, t in enumerate(timesteps)]
+        return outs, compile_stats(since=before)["compiled_graphs"]
+
+    reference, _ = steps(KernelsConfig())
+    compiled = KernelsConfig(compile=True, compile_scope="blocks")
+    _, graphs = steps(compiled)
+    hoisted, hoisted_graphs = steps(replace(compiled, hoist_modulation=True))
+    assert 0 < hoisted_graphs <= graphs
+    for out, ref in zip(hoisted, reference):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_hoisted_modulation_is_refused_for_other_families_and_the_loop_scope(tmp_path):
     with pytest.raises(UserError, match=r"kernels.hoist_modulation=true: .*Flux's .*\['flux'\].*set kernels.hoist_modulation=false"):
         check_kernels(KernelsConfig(hoist_modulation=True), "pixart")
