@@ -90,7 +90,9 @@ from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
 from pipeline.profiling import profile_categories
 
-VARIANTS = ("eager", "graph", "compile", "gelu+compile", "fp8+compile")  # the default --variants
+# the fastest bf16 and float8 kernels (docs/kernels.md), what docs/BENCHMARKS.md#flux measures
+FASTEST = ("gelu+split+hoist+decoder+compile", "fp8+split+hoist+decoder+compile")
+VARIANTS = ("eager", "graph", *FASTEST)  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
@@ -156,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"eager, graph, or compile joined by '+' with any of {list(PARTS)} (default: {' '.join(VARIANTS)})")
     p.add_argument("--images", nargs="*", type=variant_name,
                    help="the variants that make each case's images, each one of --variants other than eager (default: "
-                        "gelu+compile and fp8+compile where among them, else compile; none: no images, no diffusers calls)")
+                        f"those of {list(FASTEST)} among them, else compile; none: no images, no diffusers calls)")
     p.add_argument("--bf16", type=variant_name,
                    help="the bf16 variant whose images the float8 ones are compared with and that the case table shows "
                         "(default: the first of --images without fp8)")
@@ -175,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             setattr(args, key, value)
     if args.images is None:
-        args.images = [v for v in ("gelu+compile", "fp8+compile") if v in args.variants] or \
+        args.images = [v for v in FASTEST if v in args.variants] or \
             [v for v in ("compile",) if v in args.variants]
     missing = [v for v in args.images if v not in args.variants or v == "eager"]
     if missing:

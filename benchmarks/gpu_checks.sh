@@ -17,9 +17,9 @@
 #                                                # and PSNR and worst difference of the images (cuDNN attention, the
 #                                                # blocks compiled either way; fp8 excludes fuse_gelu)
 #   bash benchmarks/gpu_checks.sh flux           # the Flux cuda tests, then bench_flux.py: FLUX.1-dev's transformer step at
-#                                                # 1024 and 512 px, batch 1: eager, our graph, compiled blocks, compiled
-#                                                # + fp8; then diffusers' FluxPipeline against ours (compiled blocks, and
-#                                                # + fp8, under our graphs) in the same run: FLUX.1-dev 1024 px batch 1
+#                                                # 1024 and 512 px, batch 1: eager, our graph, the fastest bf16 and fp8
+#                                                # kernels; then diffusers' FluxPipeline against ours (those kernels,
+#                                                # under our graphs) in the same run: FLUX.1-dev 1024 px batch 1
 #                                                # and 4, 512 px batch 1, FLUX.1-schnell 1024 px batch 1: s/image, fp8
 #                                                # against bf16 images (PSNR), ours against diffusers', peak memory
 #                                                # (FLUX_ARGS="--variants gelu+compile ..." for other variants)
