@@ -17,11 +17,13 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   (kernels.hoist_modulation: every step's modulation projections computed once per batch; its steps are
   timed without that batch's table, which the cases include), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
-  matmul templates against cuBLAS), `static` (kernels.compile_dynamic=false: one compilation per shape,
+  matmul templates against cuBLAS), `descent` (kernels.compile_mode=coordinate-descent with
+  compile_tuning=timed: inductor times block sizes around its heuristics' for each Triton kernel, the
+  fused norms and float8 quantizations among them), `static` (kernels.compile_dynamic=false: one compilation per shape,
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
   compiled too, on the variant's own copy of the VAE; it changes the cases' decode, not the steps),
   `cudnn` or `flash` (kernels.attention: that SDPA backend first; without either, PyTorch's own choice).
-  E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+decoder+compile`, `gelu+autotune+static+compile`.
+  E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+decoder+compile`, `fp8+descent+compile`.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
    unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
@@ -98,9 +100,11 @@ UNCOMPILED = ("eager", "graph")  # on the model itself
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
          "hoist": {"hoist_modulation": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
+         "descent": {"compile_mode": "coordinate-descent", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
          "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}
-ATTENTION_PARTS = ("cudnn", "flash")  # one at most: each is a value of kernels.attention
+# parts that set the same key, one of each group at most: kernels.attention, kernels.compile_mode
+EXCLUSIVE_PARTS = (("cudnn", "flash"), ("autotune", "descent"))
 COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
             "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
@@ -196,10 +200,11 @@ def variant_name(text: str) -> str:
         return text
     parts = text.split("+")
     unknown = [part for part in parts if part not in PARTS and part != "compile"]
-    attention = [part for part in parts if part in ATTENTION_PARTS]
-    if unknown or "compile" not in parts or len(set(parts)) != len(parts) or len(attention) > 1:
+    clash = any(sum(part in group for part in parts) > 1 for group in EXCLUSIVE_PARTS)
+    if unknown or "compile" not in parts or len(set(parts)) != len(parts) or clash:
         raise argparse.ArgumentTypeError(f"{text!r}: a variant is eager, graph, or compile joined by '+' with any of "
-                                         f"{list(PARTS)}, each once and at most one of {list(ATTENTION_PARTS)} "
+                                         f"{list(PARTS)}, each once and at most one of each of "
+                                         f"{' and '.join(str(list(g)) for g in EXCLUSIVE_PARTS)} "
                                          "(e.g. fp8+compile, qkv+gelu+compile, cudnn+gelu+compile)")
     return "+".join([part for part in PARTS if part in parts] + ["compile"])
 

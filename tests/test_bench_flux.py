@@ -46,6 +46,8 @@ def test_a_mistyped_variant_is_named_with_what_is_accepted():
     assert proc.returncode == 2
     assert "'fp8+compil': a variant is eager, graph, or compile joined by '+' with any of ['fp8', 'qkv'" in proc.stderr
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "cudnn+flash+compile")
-    assert proc.returncode == 2 and "at most one of ['cudnn', 'flash']" in proc.stderr
+    assert proc.returncode == 2 and "at most one of each of ['cudnn', 'flash'] and ['autotune', 'descent']" in proc.stderr
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "autotune+descent+compile")
+    assert proc.returncode == 2 and "'autotune+descent+compile': a variant is" in proc.stderr
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "compile+fp8", "--images", "eager")
     assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'fp8+compile']" in proc.stderr
