@@ -162,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"eager, graph, or compile joined by '+' with any of {list(PARTS)} (default: {' '.join(VARIANTS)})")
     p.add_argument("--images", nargs="*", type=variant_name,
                    help="the variants that make each case's images, each one of --variants other than eager (default: "
-                        f"those of {list(FASTEST)} among them, else compile; none: no images, no diffusers calls)")
+                        f"those of {list(FASTEST)} among them, else every compiled one; none: no images, no diffusers calls)")
     p.add_argument("--bf16", type=variant_name,
                    help="the bf16 variant whose images the float8 ones are compared with and that the case table shows "
                         "(default: the first of --images without fp8)")
@@ -181,8 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             setattr(args, key, value)
     if args.images is None:
-        args.images = [v for v in FASTEST if v in args.variants] or \
-            [v for v in ("compile",) if v in args.variants]
+        args.images = [v for v in FASTEST if v in args.variants] or [v for v in args.variants if v not in UNCOMPILED]
     missing = [v for v in args.images if v not in args.variants or v == "eager"]
     if missing:
         p.error(f"--images {missing}: not among --variants {args.variants} (or eager, which makes no images)")

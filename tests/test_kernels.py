@@ -563,8 +563,8 @@ def test_hoisted_modulation_in_flux_gives_every_step_what_the_step_computed(true
 
 @pytest.mark.slow
 def test_hoisted_modulation_compiles_as_many_block_graphs_as_without_it_and_steps_the_same():
-    """Under compiled blocks the windows' operator compiles inside the blocks' graphs (no break: no
-    more graphs than the model without the setting), and each compiled step computes what the eager
+    """Under compiled blocks (whole graphs, no break allowed) the hoisted model compiles no more
+    graphs than the model without the setting, and each compiled step computes what the eager
     model's step computes."""
     timesteps, n = torch.tensor([1000.0, 400.0]), 2
 
