@@ -106,16 +106,15 @@ class Denoiser:
         key = self.key(height, width)
         if self.scope == "forward":
             return self._denoise_forward(key, noise, cond, guidance)
-        x = noise * self.sampler_at(height, width).init_noise_sigma
+        sampler = self.sampler_at(height, width)
+        x = noise * sampler.init_noise_sigma
         if self.scope == "loop":
             return self.engine.run(key, {"x": x, "g": guidance, **cond}, n)
         prev = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        sampler = self.sampler_at(height, width)
-        per_step = self._per_step(cond, guidance, lambda: sampler.timestep(torch.arange(self.steps, device=x.device)), n)
+        step_cond = self._step_conditioning(cond, guidance, lambda: sampler.timestep(torch.arange(self.steps, device=x.device)), n)
         for k in range(self.steps):
             i = torch.full((n,), k, dtype=torch.int64, device=x.device)
-            step_cond = cond if per_step is None else per_step(k)
-            x, prev = self.engine.run(key, {"x": x, "i": i, "prev": prev, "g": guidance, **step_cond}, n)
+            x, prev = self.engine.run(key, {"x": x, "i": i, "prev": prev, "g": guidance, **step_cond(k)}, n)
         return x
 
     def _denoise_forward(self, key: ShapeKey, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor) -> torch.Tensor:
@@ -125,19 +124,20 @@ class Denoiser:
         # Flow-matching schedulers have neither (diffusers' SD3 pipeline uses neither).
         x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
         scale = getattr(scheduler, "scale_model_input", lambda sample, t: sample)
-        per_step = self._per_step(cond, guidance, lambda: scheduler.timesteps.to(torch.float32), n)
+        step_cond = self._step_conditioning(cond, guidance, lambda: scheduler.timesteps.to(torch.float32), n)
         for k, t in enumerate(scheduler.timesteps):
             model_x = scale(x, t)
-            step_cond = cond if per_step is None else per_step(k)
-            eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **step_cond}, n)
+            eps = self.engine.run(key, {"x": model_x, "t": t.to(torch.float32).expand(n), "g": guidance, **step_cond(k)}, n)
             x = scheduler.step(eps, t, x, return_dict=False)[0]
         return x
 
-    def _per_step(self, cond: Inputs, guidance: torch.Tensor, timesteps: Callable[[], torch.Tensor], n: int):
-        """The adapter's per-step conditioning of these n rows, made over the bucket they run in, from
-        the steps' timesteps (`timesteps()`, asked for only then); None: `cond` every step."""
+    def _step_conditioning(self, cond: Inputs, guidance: torch.Tensor, timesteps: Callable[[], torch.Tensor],
+                           n: int) -> Callable[[int], Inputs]:
+        """step -> that step's conditioning of these n rows: `cond` at every step, or the adapter's
+        per-step conditioning made over the bucket they run in from the steps' timesteps (`timesteps()`,
+        asked for only then)."""
         if not self.adapter.conditioning_varies_per_step:
-            return None
+            return lambda step: cond
         return self.adapter.per_step_conditioning(cond, guidance, timesteps(), pick_bucket(self.engine.ladder, n))
 
     @property
