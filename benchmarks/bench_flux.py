@@ -81,7 +81,7 @@ from pipeline.compare import psnr
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels import REWRITES, check_kernels, decoder, fp8, with_attention
+from pipeline.kernels import QUANTIZE, REWRITES, check_kernels, decoder, with_attention
 from pipeline.kernels import compile as compile_kernels
 from pipeline.kernels.attention import probe_attention
 from pipeline.kernels.compile import compile_stats, start_compile_workers
@@ -258,13 +258,13 @@ def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxA
     if variant in UNCOMPILED:
         return base, {}
     kernels = variant_kernels(variant)
-    check_kernels(kernels, "flux")  # settings that exclude each other (fp8 and gelu); the device is the bench's
+    check_kernels(kernels, "flux")  # settings that exclude each other or need another; the device is the bench's
     adapter = copy.copy(base)
     adapter.transformer = copy.deepcopy(base.transformer)
     if kernels.compile_decoder:  # compiled on a copy: diffusers' calls and the other variants keep the eager decoder
         adapter.vae = copy.deepcopy(base.vae)
     report = {}
-    for module in (*REWRITES, fp8):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
+    for module in (*REWRITES, *QUANTIZE):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
         report.update(module.apply(kernels, adapter))
     report.update(compile_kernels.apply(kernels, adapter, shapes))
     report.update(decoder.apply(kernels, adapter, None))  # compiled at the case's warm-up decode (generate)

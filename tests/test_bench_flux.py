@@ -1,7 +1,8 @@
 """benchmarks/bench_flux.py on the CPU (tiny_flux, no graphs), run as a user runs it: every variant
 asked for is measured at every side, each case asked for runs on both sides (diffusers' FluxPipeline and
 ours) on the same rows and seeds, the JSON is saved and its tables printed.
-The compiled and float8 variants run too with `--smoke` alone (a minute or more on a CPU; not run here)."""
+A compiled float8 variant applies the kernels a job with its settings applies. Every default variant
+runs with `--smoke` alone (a minute or more on a CPU; not run here)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,29 @@ def test_a_mistyped_variant_is_named_with_what_is_accepted():
     assert proc.returncode == 2 and "'autotune+descent+compile': a variant is" in proc.stderr
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "compile+fp8", "--images", "eager")
     assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'fp8+compile']" in proc.stderr
+
+
+def test_a_variant_changes_the_model_as_a_job_with_its_settings_does(tmp_path, monkeypatch):
+    """The bench applies a variant's kernels itself (its float8 runs on the CPU in --smoke): it reports
+    every change, with the same counts, that a job's apply_kernels reports for the same settings, so no
+    kernel module is left out of a variant."""
+    import torch
+    from conftest import model_config
+
+    import pipeline.kernels.fp8 as fp8
+    from pipeline.config import KernelsConfig
+    from pipeline.kernels import apply_kernels
+    from pipeline.models import build_model
+
+    out = tmp_path / "flux.json"
+    variant = "fp8+qkv+split+hoist+compile"
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", variant, "--cases", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bench = json.loads(out.read_text())["kernels"][variant]
+    monkeypatch.setattr(fp8, "check_fp8", lambda device: None)  # float8 needs sm89+: stand in for it
+    adapter = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    settings = KernelsConfig(fp8=True, fuse_qkv=True, split_out_proj=True, hoist_modulation=True, compile=True,
+                             compile_scope="blocks")
+    job = apply_kernels(settings, adapter, None, shapes=1)
+    changes = {key: value for key, value in job.items() if key not in ("attention", "compile", "fp8", "compile_cache_dir")}
+    assert changes == {key: value for key, value in bench.items() if key != "compile_cache_dir"}

@@ -35,7 +35,7 @@ from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
 from pipeline.models.base import Adapter
 
 __all__ = [
-    "CONTIGUOUS_HOOK", "REWRITES", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats",
+    "CONTIGUOUS_HOOK", "QUANTIZE", "REWRITES", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats",
     "compile_vae_decoder", "decode_in_chunks", "output_kernels", "start_compile_workers", "with_attention",
 ]
 
@@ -107,6 +107,8 @@ NEEDS_CUDA: dict[Option, str] = {
 # the options that rewrite the model's modules, in the order apply_kernels applies them (after the
 # attention processor, before the probe, fp8 and compile)
 REWRITES = (qkv, gelu, residual, split, modulation)
+# the options that make layers float8, in order (after the probe, before compile)
+QUANTIZE = (fp8,)
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
 CHECKS = (attention.check, compile.check, decoder.check, fp8.check, residual.check)
@@ -193,7 +195,8 @@ def apply_kernels(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[in
         report.update(module.apply(kernels, adapter))
     if probe_size is not None:
         report.update(attention.probe(kernels, adapter, probe_size))
-    report.update(fp8.apply(kernels, adapter))
+    for module in QUANTIZE:
+        report.update(module.apply(kernels, adapter))
     report.update(compile.apply(kernels, adapter, shapes))
     report.update(decoder.apply(kernels, adapter, probe_size))
     return report
