@@ -103,8 +103,24 @@ PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": 
          "descent": {"compile_mode": "coordinate-descent", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
          "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}
-# parts that set the same key, one of each group at most: kernels.attention, kernels.compile_mode
-EXCLUSIVE_PARTS = (("cudnn", "flash"), ("autotune", "descent"))
+
+
+def exclusive_parts() -> tuple[tuple[str, ...], ...]:
+    """The parts that set the same kernels key (one group per key, in the keys' order, each group
+    once): a variant takes one of each group at most."""
+    by_key: dict[str, list[str]] = {}
+    for part, settings in PARTS.items():
+        for key in settings:
+            by_key.setdefault(key, []).append(part)
+    groups: list[tuple[str, ...]] = []
+    for key in sorted(by_key):
+        group = tuple(by_key[key])
+        if len(group) > 1 and group not in groups:
+            groups.append(group)
+    return tuple(groups)
+
+
+EXCLUSIVE_PARTS = exclusive_parts()  # kernels.attention's, kernels.compile_mode's (and compile_tuning's)
 COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
             "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
