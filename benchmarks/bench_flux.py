@@ -23,6 +23,7 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
   compiled too, on the variant's own copy of the VAE; it changes the cases' decode, not the steps),
   `cudnn` or `flash` (kernels.attention: that SDPA backend first; without either, PyTorch's own choice).
+  `fp8` with `gelu` is the GELU in the float8 quantization's Triton kernel (pipeline/kernels/fp8_gelu.py).
   E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+decoder+compile`, `fp8+descent+compile`.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,

@@ -121,6 +121,8 @@ class KernelsConfig:
     fp8: bool = False
     # The feed-forward's up-projection, bias and tanh GELU as one cuBLASLt matmul with a GELU epilogue
     # (CUDA): one pass less over the widest activation; GELU rounds once, from the fp32 accumulator.
+    # With fp8: the GELU and the float8 quantization of its output as one Triton kernel, which reads
+    # each row once (the float8 matmul has no GELU epilogue).
     fuse_gelu: bool = False
     # PixArt: each block's residual adds done by the matmuls (cuBLAS adds into the residual stream;
     # the gates folded into the weights once per step, the biases carried to the next layer norm):

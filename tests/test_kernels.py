@@ -4,11 +4,11 @@ change of kernels is a change of settings for resume."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+import copy
 import json
 import os
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -172,6 +172,55 @@ def test_fp8_blocks_compile_as_one_graph_that_computes_what_eager_does():
         block.compile(fullgraph=True)
         compiled = block(x)
     assert rel_err(compiled, eager) < 0.01
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_gelu_moves_each_gelu_into_its_down_projections_quantization(split, caplog):
+    """kernels.fuse_gelu under kernels.fp8: the feed-forwards' GELU (both streams of a double block)
+    and, once split_out_proj has separated them, the single blocks' MLP GELU run inside the next float8
+    layer's quantization; the step is the same (on the CPU the op is the torch ops it replaces); a
+    single block whose GELU output is joined to the attention's keeps its GELU, counted and said."""
+    from pipeline.kernels import fp8, fp8_gelu, split as split_kernel
+
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    t = flux.transformer
+    if split:
+        split_kernel.split_out_proj(t)
+    fp8.quantize_fp8(t)
+    x = random_inputs(flux)
+    with torch.no_grad():
+        unfused = flux.guided_eps(x)
+        with caplog.at_level("WARNING", logger="pipeline.kernels"):
+            report = fp8_gelu.fuse_gelu_quantization(t)
+        fused = flux.guided_eps(x)
+    doubles, singles = len(t.transformer_blocks), len(t.single_transformer_blocks)
+    assert report["fp8_gelu_layers"] == 2 * doubles + (singles if split else 0)
+    assert report.get("fp8_gelu_kept", 0) == (0 if split else singles)
+    assert ("stay unfused under fp8" in caplog.text) is not split
+    assert isinstance(t.single_transformer_blocks[0].act_mlp, torch.nn.Identity) is split
+    assert torch.equal(fused, unfused)
+
+
+def test_fp8_gelu_op_compiles_with_dynamic_rows_and_computes_the_gelu_then_quantizes():
+    """The fused op under torch.compile (no graph break, any row count) is GELU then fp8.quantize_rows;
+    a transformer without a GELU read by a float8 layer is refused with the setting to change."""
+    from pipeline.kernels import fp8, fp8_gelu
+
+    torch.manual_seed(0)
+    ff = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(128, 64))
+    fused = copy.deepcopy(ff[2])
+    for layer in (ff[2], fused):
+        fp8.to_fp8(layer)
+    fused.forward = fp8_gelu.gelu_fp8_forward.__get__(fused)
+    compiled = torch.compile(lambda h: fused(ff[0](h)), fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 17):
+            h = torch.randn(2, rows, 64)
+            assert torch.equal(compiled(h), ff(h))
+    q, scale = torch.ops.bcg.gelu_quantize_rows(torch.zeros(2, 32))  # padded rows: zeros, no NaN
+    assert q.dtype == fp8.FP8 and torch.equal(q.float(), torch.zeros(2, 32)) and bool(torch.isfinite(scale).all())
+    with pytest.raises(UserError, match="no tanh GELU read by a float8 linear layer alone; set kernels.fuse_gelu=false"):
+        fp8_gelu.fuse_gelu_quantization(torch.nn.Sequential(torch.nn.Linear(16, 16)))
 
 
 def test_fp8_is_offered_for_pixart_and_flux_with_compile():
@@ -486,8 +535,8 @@ def test_trimmed_text_padding_job_makes_the_same_images_and_is_a_setting(tmp_pat
 def test_fused_gelu_is_refused_where_it_would_compute_something_else():
     with pytest.raises(UserError, match="kernels.fuse_gelu=true needs CUDA"):
         check_kernels(KernelsConfig(fuse_gelu=True), "pixart", torch.device("cpu"))
-    with pytest.raises(UserError, match="cannot be combined with kernels.fp8=true"):
-        check_kernels(KernelsConfig(fuse_gelu=True, fp8=True), "pixart")
+    for family in ("pixart", "flux"):  # under fp8 the GELU goes into the float8 quantization
+        check_kernels(KernelsConfig(fuse_gelu=True, fp8=True, compile=True, compile_scope="blocks"), family)
 
 
 def test_fused_projections_in_flux_compute_the_same():

@@ -142,15 +142,42 @@ def replayed(adapter, key, inputs, n):
 
 
 @needs_fp8
-@pytest.mark.parametrize("split", [False, True])
-def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call(split):
-    """With kernels.split_out_proj the single blocks' two out-projection parts are float8 layers too."""
-    kernels = KernelsConfig(fp8=True, split_out_proj=split, compile=True, compile_scope="blocks")
+@pytest.mark.parametrize("split,gelu", [(False, False), (True, False), (False, True), (True, True)])
+def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call(split, gelu):
+    """With kernels.split_out_proj the single blocks' two out-projection parts are float8 layers too;
+    with kernels.fuse_gelu the GELUs that a float8 layer alone reads run in its quantization's kernel."""
+    kernels = KernelsConfig(fp8=True, split_out_proj=split, fuse_gelu=gelu, compile=True, compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels)
-    singles = len(adapter.transformer.single_transformer_blocks)
+    doubles, singles = len(adapter.transformer.transformer_blocks), len(adapter.transformer.single_transformer_blocks)
     assert report["fp8_linear_layers"] == 12 + 2 * 5 + (singles if split else 0)
+    assert report.get("fp8_gelu_layers", 0) == ((2 * doubles + (singles if split else 0)) if gelu else 0)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
+
+
+@needs_fp8
+@pytest.mark.parametrize("cols", [3072, 12288, 4608, 1000])
+def test_fp8_gelu_kernel_quantizes_as_the_unfused_ops(cols):
+    """The Triton GELU + rowwise quantization against the torch ops it replaces (fp8_gelu.reference):
+    the same scale up to one bf16 rounding of the row's largest GELU, each value within one float8
+    step, almost every byte equal; a zero row gives zeros; a row's result does not depend on the
+    other rows."""
+    from pipeline.kernels import fp8_gelu
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows = (torch.randn(333, cols, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    rows[7] = 0
+    q, scale = torch.ops.bcg.gelu_quantize_rows(rows)
+    ref_q, ref_scale = fp8_gelu.reference(rows)
+    assert q.dtype == FP8 and scale.shape == (333, 1) and scale.dtype == torch.float32
+    assert float(((scale - ref_scale).abs() / ref_scale).max()) < 2 ** -7
+    a, b = q.float() * scale, ref_q.float() * ref_scale
+    step = 0.125 * torch.maximum(a.abs(), b.abs()) + scale * 2 ** -9  # e4m3: 3 mantissa bits; subnormal spacing
+    assert bool(((a - b).abs() <= step).all())
+    assert float((q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean()) > 0.99
+    assert not bool(q[7].float().any())
+    q_part, scale_part = torch.ops.bcg.gelu_quantize_rows(rows[5:9].contiguous())
+    assert torch.equal(q_part.view(torch.uint8), q[5:9].view(torch.uint8)) and torch.equal(scale_part, scale[5:9])
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -4,7 +4,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - attention: kernels.attention, the SDPA backend or flash-attn's processor (`probe`: which ran)
 - text: kernels.trim_text_padding
 - qkv: kernels.fuse_qkv
-- gelu: kernels.fuse_gelu
+- gelu: kernels.fuse_gelu (fp8_gelu: the same setting under kernels.fp8)
 - residual: kernels.fuse_residual (norm: its layer norm's Triton kernel on CUDA)
 - split: kernels.split_out_proj
 - modulation: kernels.hoist_modulation
@@ -28,7 +28,7 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import attention, compile, decoder, fp8, gelu, modulation, norm, qkv, residual, split, text
+from pipeline.kernels import attention, compile, decoder, fp8, fp8_gelu, gelu, modulation, norm, qkv, residual, split, text
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
@@ -87,7 +87,6 @@ EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
     (FUSE_RESIDUAL, FUSE_QKV, RESIDUAL_OWNS_ATTENTION),
     (FUSE_RESIDUAL, FP8, RESIDUAL_OWNS_ATTENTION),
     (FUSE_RESIDUAL, FLASH_ATTN, RESIDUAL_OWNS_ATTENTION),
-    (FUSE_GELU, FP8, "fuses bf16/fp16 matmuls (float8 weights are neither)"),
 )
 
 # (options that, all on, need another option; why: the config's values filled in, e.g. "{compile_scope}")
@@ -108,10 +107,10 @@ NEEDS_CUDA: dict[Option, str] = {
 # attention processor, before the probe, fp8 and compile)
 REWRITES = (qkv, gelu, residual, split, modulation)
 # the options that make layers float8, in order (after the probe, before compile)
-QUANTIZE = (fp8,)
+QUANTIZE = (fp8, fp8_gelu)
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
-CHECKS = (attention.check, compile.check, decoder.check, fp8.check, residual.check)
+CHECKS = (attention.check, compile.check, decoder.check, fp8.check, fp8_gelu.check, residual.check)
 
 
 def check_kernels(kernels: KernelsConfig, family: str | None = None, device: torch.device | None = None) -> None:
@@ -170,6 +169,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
         out["residual_norm"] = norm.SETTING
         out["residual_constants"] = residual.CONSTANTS  # how its per-step constants are computed (their rounding)
+    if kernels.fp8 and kernels.fuse_gelu:  # its kernel's block sizes set a row's reduction
+        out["fp8_gelu"] = fp8_gelu.SETTING
     if kernels.compile:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default

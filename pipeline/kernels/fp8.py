@@ -123,9 +123,15 @@ def to_fp8(linear: torch.nn.Linear) -> None:
 
 def fp8_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: each row quantized with its own scale, one float8 matmul."""
-    rows = x.reshape(-1, x.shape[-1])
-    x8, scale = quantize_rows(rows)
+    x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return scaled_matmul(linear, x8, scale, x.shape, x.dtype)
+
+
+def scaled_matmul(linear: torch.nn.Linear, x8: torch.Tensor, scale: torch.Tensor, shape: torch.Size,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A float8 layer on quantized rows (x8 [M, K], scale [M, 1]) of an activation of `shape` [..., K]
+    -> [..., N] in `dtype`."""
     out = torch._scaled_mm(x8, linear.weight.t(), scale_a=scale, scale_b=getattr(linear, WEIGHT_SCALE),
-                           bias=linear.bias, out_dtype=x.dtype, use_fast_accum=True)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+                           bias=linear.bias, out_dtype=dtype, use_fast_accum=True)
+    return out.reshape(*shape[:-1], out.shape[-1])
 

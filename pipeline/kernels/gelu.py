@@ -1,7 +1,8 @@
 """kernels.fuse_gelu: the feed-forward's up-projection, bias and tanh GELU as one matmul whose
 epilogue applies the GELU (cuBLASLt, CUDA only: PyTorch's CPU version of the fused op computes the
 exact GELU). One pass less over the widest activation; the GELU rounds once, from the fp32
-accumulator."""
+accumulator. Under kernels.fp8 the up-projection is a float8 matmul, without that epilogue: there the
+GELU moves into the down-projection's quantization instead (fp8_gelu)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
     """-> {"fused_gelu_layers": n} when on, else {}."""
-    if not kernels.fuse_gelu:
+    if not kernels.fuse_gelu or kernels.fp8:  # under fp8 the GELU goes into the quantization (fp8_gelu)
         return {}
     layers = fuse_gelu(adapter.transformer)
     log.info("kernels: %d feed-forward GELUs in the up-projection's cuBLASLt epilogue", layers)

@@ -31,12 +31,14 @@ TILE = 8192
 SETTING = f"triton-rows{ROWS_PER_PROGRAM}-warps{WARPS}-tile{TILE}"  # in the job's kernel digest: another setting, other bytes
 
 
-def check_triton() -> None:
-    """Triton importable (PyTorch's CUDA wheels bring it), or a refusal naming the way out."""
+def check_triton(what: str = "kernels.fuse_residual=true on a CUDA device runs its layer norm",
+                 off: str = "kernels.fuse_residual=false") -> None:
+    """Triton importable (PyTorch's CUDA wheels bring it), or a refusal naming the way out: `what`
+    needs it, `off` turns that off."""
     if importlib.util.find_spec("triton") is None:
-        raise UserError("kernels.fuse_residual=true on a CUDA device runs its layer norm as a Triton kernel, and the "
-                        "triton package is not installed (PyTorch's CUDA wheels bring it: pip install triton); "
-                        "or set kernels.fuse_residual=false kernels.compile=false (inductor's kernels need triton too)")
+        raise UserError(f"{what} as a Triton kernel, and the triton package is not installed (PyTorch's CUDA wheels "
+                        f"bring it: pip install triton); or set {off} kernels.compile=false (inductor's kernels need "
+                        f"triton too)")
 
 
 @functools.cache

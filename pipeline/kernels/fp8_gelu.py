@@ -1,0 +1,187 @@
+"""kernels.fuse_gelu under kernels.fp8: the feed-forward's tanh GELU and the rowwise float8
+quantization of its output as one Triton kernel, read by the down-projection's float8 matmul.
+
+The up-projection is a float8 matmul, which has no GELU epilogue, so without this its bf16 output is
+read by the GELU and the quantization that inductor fuses into one looped reduction: it reads every
+row twice (once for the row's maximum, once to scale it) and computes the GELU twice. Here one program
+holds a whole row: it reads it once, applies the GELU in fp32 (its tanh as 1 - 2 / (exp(2u) + 1); with
+CUDA's tanhf this kernel was slower than inductor's, benchmarks/bench_fp8_gelu.py), rounds it to the
+row's dtype (the value the unfused model multiplies), takes the row's absolute maximum, and writes the
+float8 row and its scale. Block sizes and warps are constants (`SETTING`): every process reduces a row the same way.
+
+Where: the diffusers `GELU` (tanh, a projection inside) followed by a float8 linear layer in a
+`FeedForward`, and Flux's single-stream block once kernels.split_out_proj has given its MLP its own
+out-projection (`proj_out_mlp`); the activation module only projects, the next layer's forward
+quantizes. The CPU runs the same op as the torch ops it replaces (`reference`), which the tests
+compare; a layer wider than MAX_COLS keeps its GELU, counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import KernelsConfig
+from pipeline.errors import UserError
+from pipeline.kernels import fp8, norm
+from pipeline.models.base import Adapter
+
+log = logging.getLogger(__name__)
+
+MAX_COLS = 16384  # a row in one program's registers
+WARPS = 8  # benchmarks/bench_fp8_gelu.py times others
+SETTING = f"triton-row-warps{WARPS}-tanh-exp"  # in the job's kernel digest: another setting, other bytes
+
+
+def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+    """On a CUDA device, the kernel can be built, or a refusal."""
+    if kernels.fuse_gelu and kernels.fp8 and device is not None and torch.device(device).type == "cuda":
+        norm.check_triton("kernels.fuse_gelu=true with kernels.fp8=true runs the GELU and its float8 quantization",
+                          "kernels.fuse_gelu=false")
+
+
+def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
+    """-> {"fp8_gelu_layers": n, ...} with kernels.fuse_gelu and kernels.fp8 on (after fp8.apply), else {}."""
+    if not (kernels.fuse_gelu and kernels.fp8):
+        return {}
+    return fuse_gelu_quantization(adapter.transformer)
+
+
+def reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel computes, as the unfused model does: fp8.quantize_rows(tanh GELU(rows))."""
+    return fp8.quantize_rows(F.gelu(rows, approximate="tanh"))
+
+
+@torch.library.custom_op("bcg::gelu_quantize_rows", mutates_args=())
+def gelu_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] -> (float8 [M, K], scales float32 [M, 1]) of the rows' tanh GELU. An operator
+    torch.compile calls as it is (it does not trace into it)."""
+    if rows.device.type != "cuda":
+        return reference(rows)
+    return _triton_gelu_quantize(rows.contiguous())
+
+
+@gelu_quantize_rows.register_fake
+def _(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rows.new_empty(rows.shape, dtype=fp8.FP8), rows.new_empty((rows.shape[0], 1), dtype=torch.float32)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, fp8_max, min_amax, BLOCK_COLS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_COLS)
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # exp overflows to inf for large u: tanh 1
+        y = (0.5 * x * (1.0 + tanh)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), min_amax)
+        scale = amax / fp8_max
+        q = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+
+    return gelu_quantize_kernel, triton.next_power_of_2
+
+
+def _triton_gelu_quantize(rows: torch.Tensor, warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on contiguous CUDA rows; `warps`: its fixed choice (a benchmark's to vary)."""
+    kernel, next_power_of_2 = _kernel()
+    n_rows, n_cols = rows.shape
+    if n_cols > MAX_COLS:
+        raise ValueError(f"gelu_quantize_rows: rows of at most {MAX_COLS} values, got {n_cols}")
+    q = torch.empty((n_rows, n_cols), device=rows.device, dtype=fp8.FP8)
+    scale = torch.empty((n_rows, 1), device=rows.device, dtype=torch.float32)
+    if n_rows:
+        with torch.cuda.device(rows.device):
+            kernel[(n_rows,)](rows, q, scale, n_cols, fp8.FP8_MAX, fp8.MIN_AMAX,
+                              BLOCK_COLS=next_power_of_2(n_cols), num_warps=warps)
+    return q, scale
+
+
+def gelu_fp8_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [..., K], the up-projection's output before its GELU -> this float8 layer's output on GELU(x)."""
+    x8, scale = torch.ops.bcg.gelu_quantize_rows(x.reshape(-1, x.shape[-1]))
+    return fp8.scaled_matmul(linear, x8, scale, x.shape, x.dtype)
+
+
+def fuse_gelu_quantization(transformer: torch.nn.Module) -> dict:
+    """Every tanh GELU whose output only a float8 linear layer reads moves into that layer's
+    quantization (instance attributes) -> {"fp8_gelu_layers": fused, and where some could not:
+    "fp8_gelu_kept": n}; none fused: refused."""
+    from diffusers.models.activations import GELU
+
+    fused, kept = 0, []
+    for name, module in transformer.named_modules():
+        pair = _ff_pair(module, GELU) or _single_stream_pair(module)
+        if pair is None:
+            if _joined_single_stream(module):
+                kept.append(f"{name}: its GELU output is joined to the attention's before proj_out "
+                            f"(kernels.split_out_proj=true separates them)")
+            continue
+        activation, down = pair
+        if down.in_features > MAX_COLS:
+            kept.append(f"{name}: {down.in_features} features, more than a row of the kernel ({MAX_COLS})")
+            continue
+        activation()
+        down.forward = MethodType(gelu_fp8_forward, down)
+        fused += 1
+    if not fused:
+        raise UserError("kernels.fuse_gelu=true with kernels.fp8=true: this transformer has no tanh GELU read by a float8 "
+                        "linear layer alone; set kernels.fuse_gelu=false")
+    log.info("kernels: %d tanh GELUs fused into their down-projection's float8 quantization", fused)
+    if kept:
+        log.warning("kernels.fuse_gelu: %d GELUs stay unfused under fp8, e.g. %s", len(kept), kept[0])
+        return {"fp8_gelu_layers": fused, "fp8_gelu_kept": len(kept)}
+    return {"fp8_gelu_layers": fused}
+
+
+def _is_fp8(module: object) -> bool:
+    return isinstance(module, torch.nn.Linear) and hasattr(module, fp8.WEIGHT_SCALE)
+
+
+def _ff_pair(module: torch.nn.Module, gelu_class: type):
+    """A diffusers FeedForward: net = [GELU(tanh), dropouts..., float8 linear] -> (make the GELU
+    module only project, the linear layer), else None."""
+    net = getattr(module, "net", None)
+    if not isinstance(net, torch.nn.ModuleList) or len(net) < 2:
+        return None
+    act = net[0]
+    if not (isinstance(act, gelu_class) and act.approximate == "tanh"):
+        return None
+    rest = [m for m in list(net)[1:] if not isinstance(m, (torch.nn.Dropout, torch.nn.Identity))]
+    if len(rest) != 1 or not _is_fp8(rest[0]):
+        return None
+
+    def only_project() -> None:
+        act.forward = lambda hidden_states, *args, **kwargs: act.proj(hidden_states)
+
+    return only_project, rest[0]
+
+
+def _single_stream_pair(module: torch.nn.Module):
+    """Flux's single-stream block split by kernels.split_out_proj: proj_mlp, act_mlp (tanh GELU),
+    proj_out_mlp (float8) -> (make act_mlp an identity, proj_out_mlp), else None."""
+    act, down = getattr(module, "act_mlp", None), getattr(module, "proj_out_mlp", None)
+    if not (isinstance(act, torch.nn.GELU) and act.approximate == "tanh" and _is_fp8(down)):
+        return None
+
+    def identity() -> None:
+        module.act_mlp = torch.nn.Identity()
+
+    return identity, down
+
+
+def _joined_single_stream(module: torch.nn.Module) -> bool:
+    act = getattr(module, "act_mlp", None)
+    return (isinstance(act, torch.nn.GELU) and act.approximate == "tanh" and hasattr(module, "proj_out")
+            and _is_fp8(module.proj_out))
