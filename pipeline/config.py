@@ -116,6 +116,10 @@ class KernelsConfig:
     # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
     # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ.
     fuse_qkv: bool = False
+    # With compile: every reduction over a row of up to 16,384 values (layer norms, the float8
+    # quantization) as one program that holds the row, which reads it once, where inductor loops over
+    # rows wider than 1,024 and reads them twice. Another order of the sum: a setting.
+    persistent_reductions: bool = False
     # The transformer blocks' linear layers as rowwise-scaled float8 matmuls (torch._scaled_mm; weights
     # quantized once, activations per row at each call; CUDA sm89+; PixArt, Flux). Fast under compile.
     fp8: bool = False

@@ -223,6 +223,36 @@ def test_fp8_gelu_op_compiles_with_dynamic_rows_and_computes_the_gelu_then_quant
         fp8_gelu.fuse_gelu_quantization(torch.nn.Sequential(torch.nn.Linear(16, 16)))
 
 
+def test_persistent_reductions_compile_the_same_step_are_keyed_and_need_compile():
+    """kernels.persistent_reductions: a compile option that names itself in inductor's cache key (a
+    graph pass whose uuid says it) with our choices in the compiling thread; on the CPU (no Triton
+    reductions) the compiled tiny Flux computes what the compile without it does; a setting; refused
+    without kernels.compile."""
+    from torch._inductor.virtualized import V
+
+    from pipeline.kernels import reductions
+
+    options = compile_options("default", "fixed", persistent=True)["options"]
+    marker = options[reductions.OPTION]
+    assert marker.uuid() == f"bcg-persistent-reductions-{reductions.MAX_VALUES}" and options["deterministic"]
+    assert isinstance(V.choices, reductions._classes()[1])
+    assert reductions.OPTION not in compile_options("default", "fixed")["options"]
+    steps = []
+    for persistent in (False, True):
+        torch._dynamo.reset()
+        flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+        x = random_inputs(flux)
+        kernels = KernelsConfig(compile=True, compile_scope="blocks", persistent_reductions=persistent)
+        report = apply_kernels(kernels, flux, None, shapes=1)
+        assert report.get("persistent_reductions") == (reductions.MAX_VALUES if persistent else None)
+        with torch.no_grad():
+            steps.append(flux.guided_eps(x))
+    assert torch.allclose(steps[0], steps[1], atol=1e-5)
+    assert output_kernels(KernelsConfig(compile=True, persistent_reductions=True))["persistent_reductions"] is True
+    with pytest.raises(UserError, match="kernels.persistent_reductions=true needs kernels.compile=true"):
+        check_kernels(KernelsConfig(persistent_reductions=True))
+
+
 def test_fp8_is_offered_for_pixart_and_flux_with_compile():
     for family in ("pixart", "flux"):
         check_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), family)

@@ -222,3 +222,23 @@ def test_hoisted_modulation_under_compiled_blocks_and_graphs_denoises_as_its_eag
     assert torch.equal(replayed_latents, eager_latents)
     assert rel_err(eager_latents, reference) < FUSED_STEP_REL_ERR
 
+
+
+def test_persistent_reductions_read_a_wide_layer_norm_in_one_pass_and_compute_it_alike():
+    """kernels.persistent_reductions: inductor's kernel for a layer norm over Flux's 3,072 channels is a
+    persistent reduction with the option and a looped one without; the two agree up to rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    from pipeline.kernels.compile import compile_options
+
+    x = torch.randn(4608, 3072, device="cuda", dtype=torch.bfloat16)
+    outs, codes = {}, {}
+    for persistent in (False, True):
+        torch._dynamo.reset()
+        norm = torch.compile(lambda t: torch.nn.functional.layer_norm(t, (3072,)) * 2.0,
+                             **compile_options("default", "fixed", persistent))
+        outs[persistent], sources = run_and_get_code(norm, x)
+        codes[persistent] = "\n".join(sources)
+    assert "triton_per_" in codes[True] and "triton_red_" not in codes[True]
+    assert "triton_red_" in codes[False] and "triton_per_" not in codes[False]
+    assert rel_err(outs[True], outs[False]) < COMPILED_VS_EAGER_REL_ERR

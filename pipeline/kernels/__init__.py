@@ -10,6 +10,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - modulation: kernels.hoist_modulation
 - fp8: kernels.fp8
 - compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
+  (reductions: kernels.persistent_reductions, inductor's choice of persistent reductions)
 - decoder: kernels.compile_decoder, kernels.decode_chunk
 
 Which settings go together is stated once, as data (SUPPORTED_FAMILIES, EXCLUDES, REQUIRES,
@@ -60,6 +61,7 @@ FLASH_ATTN = Option("attention=flash_attn", lambda k: k.attention == "flash_attn
 FUSE_QKV, FUSE_GELU, FUSE_RESIDUAL = switch("fuse_qkv"), switch("fuse_gelu"), switch("fuse_residual")
 FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
 SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
+PERSISTENT = switch("persistent_reductions")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 
@@ -92,6 +94,7 @@ EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
 # (options that, all on, need another option; why: the config's values filled in, e.g. "{compile_scope}")
 REQUIRES: tuple[tuple[tuple[Option, ...], Option, str], ...] = (
     ((NORMS,), FUSE_RESIDUAL, "it compiles what kernels.fuse_residual's block leaves to fuse"),
+    ((PERSISTENT,), COMPILE, "it chooses how inductor compiles the transformer's reductions"),
     ((FUSE_RESIDUAL, COMPILE), NORMS, "the block adds into its input in place, which compile_scope={compile_scope} "
                                       "would trace; compile_scope=norms compiles what is left to fuse (the per-step "
                                       "constants, and off CUDA the layer norms), once"),
@@ -162,7 +165,7 @@ def output_kernels(kernels: KernelsConfig) -> dict:
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
-    for key in ("fuse_qkv", "fp8", "fuse_gelu", "fuse_residual", "split_out_proj", "hoist_modulation",
+    for key in ("fuse_qkv", "fp8", "fuse_gelu", "persistent_reductions", "fuse_residual", "split_out_proj", "hoist_modulation",
                 "trim_text_padding"):  # switches count only when on
         if getattr(kernels, key):
             out[key] = True

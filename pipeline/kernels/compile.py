@@ -33,7 +33,7 @@ import torch
 
 from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS, KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import residual
+from pipeline.kernels import reductions, residual
 from pipeline.models.base import Adapter
 from pipeline.process_state import saved_environ
 
@@ -71,8 +71,10 @@ def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
     if kernels.compile:
         report.update(compile_mode=kernels.compile_mode, compile_tuning=kernels.compile_tuning,
                       compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
+        if kernels.persistent_reductions:
+            report.update(persistent_reductions=reductions.MAX_VALUES)
         compile_transformer(adapter.transformer, kernels.compile_mode, kernels.compile_tuning, shapes,
-                            kernels.compile_dynamic, kernels.compile_scope)
+                            kernels.compile_dynamic, kernels.compile_scope, kernels.persistent_reductions)
     return report
 
 
@@ -95,14 +97,14 @@ def not_reproducible(kernels: KernelsConfig) -> str | None:
 
 
 def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, shapes: int, dynamic: bool,
-                        scope: str = "model") -> None:
+                        scope: str = "model", persistent: bool = False) -> None:
     """Compile this transformer instance in place with inductor (see the module's docstring for
     `scope` and `tuning`). `dynamic`: one compilation with symbolic batch and token counts serves every
     (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
     `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager, and
     TRACED_ONCE applies (process-wide settings: the job puts them back when it ends,
-    pipeline.process_state)."""
-    how = compile_options(mode, tuning)
+    pipeline.process_state). `persistent`: kernels.persistent_reductions (pipeline.kernels.reductions)."""
+    how = compile_options(mode, tuning, persistent)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
     import torch._dynamo.config as dynamo_config
@@ -131,12 +133,14 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
              scope, mode, tuning, "dynamic" if dynamic else "static")
 
 
-def compile_options(mode: str, tuning: str) -> dict:
-    """kernels.compile_mode and kernels.compile_tuning -> torch.compile's keywords (the transformer's
-    and the decoder's compile). torch.compile takes a mode or options, not both: the mode is given as
-    its options (`torch._inductor.list_mode_options`); `coordinate-descent` is inductor's default mode
-    with `coordinate_descent_tuning`, `fixed` tuning its `deterministic` mode (no timing decides what
-    changes numerics). Part of inductor's cache key: a cache never serves one for the other."""
+def compile_options(mode: str, tuning: str, persistent: bool = False) -> dict:
+    """kernels.compile_mode and kernels.compile_tuning (and for the transformer
+    kernels.persistent_reductions) -> torch.compile's keywords (the transformer's and the decoder's
+    compile). torch.compile takes a mode or options, not both: the mode is given as its options
+    (`torch._inductor.list_mode_options`); `coordinate-descent` is inductor's default mode with
+    `coordinate_descent_tuning`, `fixed` tuning its `deterministic` mode (no timing decides what
+    changes numerics); `persistent`: pipeline.kernels.reductions. Part of inductor's cache key: a
+    cache never serves one for the other."""
     if mode not in COMPILE_MODES:
         raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
     if tuning not in COMPILE_TUNINGS:
@@ -146,6 +150,8 @@ def compile_options(mode: str, tuning: str) -> dict:
     options = {"coordinate_descent_tuning": True} if mode == "coordinate-descent" else dict(list_mode_options(mode))
     if tuning == "fixed":
         options["deterministic"] = True
+    if persistent:
+        options.update(reductions.compile_options())
     return {"options": options}
 
 
