@@ -3,7 +3,7 @@ Hydra sweep in one process behave as each would alone and a caller finds torch a
 
 A job sets torch's numerics flags (pipeline.precision), dynamo's recompile limits (a compile),
 environment variables (the Hugging Face offline flags for a local checkpoint, inductor's cache
-directory), seeds the CPU generator (random weights), makes its GPU the current CUDA device, and
+directory), inductor's choices for this thread (kernels.persistent_reductions), seeds the CPU generator (random weights), makes its GPU the current CUDA device, and
 leaves its compiled code in dynamo's caches, where a later model of the same classes passes the
 guards: it would run the first job's compilation and report none of its own. Changes to a model
 need no undoing: they are made to that model's instances (pipeline.kernels).
@@ -37,6 +37,7 @@ def job_scope() -> Iterator[None]:
         stack.enter_context(saved_numerics())
         for config in CONFIGS:
             stack.enter_context(saved_config(config))
+        stack.enter_context(saved_inductor_choices())
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator; CUDA's are seeded per job
         stack.enter_context(saved_cuda_device())
         stack.enter_context(dropped_compilations())
@@ -96,6 +97,19 @@ def saved_config(config) -> Iterator[None]:
     finally:
         now = config.get_config_copy()
         config.load_config({key: value for key, value in saved.items() if now.get(key) != value})
+
+
+@contextmanager
+def saved_inductor_choices() -> Iterator[None]:
+    """The object inductor asks, in this thread, how to generate kernels (torch._inductor's
+    V.choices) as it was."""
+    from torch._inductor.virtualized import V
+
+    saved = V.choices
+    try:
+        yield
+    finally:
+        V.set_choices_handler(saved)
 
 
 @contextmanager

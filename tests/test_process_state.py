@@ -25,6 +25,8 @@ FP32_PRECISIONS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldn
 
 def process_state() -> dict:
     """Everything a job could leave changed in this process, read here (not through pipeline.process_state)."""
+    from torch._inductor.virtualized import V
+
     b = torch.backends
     precisions = {}
     for path in FP32_PRECISIONS:
@@ -42,6 +44,7 @@ def process_state() -> dict:
         "dynamo": torch._dynamo.config.get_config_copy(),
         "inductor": torch._inductor.config.get_config_copy(),
         "cpu_rng": torch.get_rng_state().tolist(),
+        "inductor_choices": type(V.choices).__name__,
     }
 
 
@@ -98,11 +101,12 @@ def test_a_failing_job_puts_back_what_it_changed(tmp_path, online):
 @pytest.mark.slow
 def test_a_compiling_job_puts_back_dynamos_limits_and_the_next_job_compiles_for_itself(tmp_path):
     """The compiled layer norms of kernels.fuse_residual (the smallest compile): the job raises
-    dynamo's recompile limit for its shapes, and leaves compiled code whose guards the next job's
-    model (the same classes) would pass: it would report no compilation of its own."""
+    dynamo's recompile limit for its shapes, installs inductor's choices of persistent reductions in
+    its thread, and leaves compiled code whose guards the next job's model (the same classes) would
+    pass: it would report no compilation of its own."""
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     compiled = ("sampler.steps=2", "kernels.fuse_residual=true", "kernels.compile=true", "kernels.compile_scope=norms",
-                f"kernels.compile_cache_dir={tmp_path / 'inductor'}")
+                "kernels.persistent_reductions=true", f"kernels.compile_cache_dir={tmp_path / 'inductor'}")
     torch._dynamo.reset()  # what earlier tests compiled is not this job's
     before = process_state()
     first = run(cpu_job(manifest, tmp_path / "first", *compiled))

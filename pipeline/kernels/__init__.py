@@ -165,8 +165,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
-    for key in ("fuse_qkv", "fp8", "fuse_gelu", "persistent_reductions", "fuse_residual", "split_out_proj", "hoist_modulation",
-                "trim_text_padding"):  # switches count only when on
+    for key in ("fuse_qkv", "fp8", "fuse_gelu", "persistent_reductions", "fuse_residual", "split_out_proj",
+                "hoist_modulation", "trim_text_padding"):  # switches count only when on
         if getattr(kernels, key):
             out[key] = True
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
