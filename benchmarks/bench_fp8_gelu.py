@@ -24,27 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_engine import environment
+from benchmarks.bench_engine import environment, time_calls
 from pipeline.kernels import fp8_gelu
 
 # Flux 1024 px batch 1: single blocks (text + image tokens), the image and text streams' feed-forward;
 # PixArt-Sigma 1024 px batch 8: 8 x 4096 tokens through a 4 x 1152 feed-forward.
 SHAPES = ((4608, 12288), (4096, 12288), (512, 12288), (32768, 4608))
 WARPS = (4, 8, 16, 32)
-
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def compare(out, ref) -> dict:
@@ -70,7 +56,7 @@ def main() -> None:
         for warps in WARPS:
             candidates[f"triton w{warps}"] = lambda w=warps: fp8_gelu._triton_gelu_quantize(x, w)
         for name, fn in candidates.items():
-            ms = median_ms(fn, args.iters)
+            ms = time_calls(fn, torch.device("cuda"), 3, args.iters)
             row = {"rows": n_rows, "cols": n_cols, "kernel": name, "ms": round(ms, 4),
                    "gb_per_s": round(gbytes / (ms / 1e3)), **compare(fn(), ref)}
             rows_out.append(row)

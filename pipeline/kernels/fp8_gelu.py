@@ -149,6 +149,11 @@ def _is_fp8(module: object) -> bool:
     return isinstance(module, torch.nn.Linear) and hasattr(module, fp8.WEIGHT_SCALE)
 
 
+def _is_tanh_gelu(module: object, gelu_class: type = torch.nn.GELU) -> bool:
+    """torch's GELU module, or diffusers' (`gelu_class`, a projection inside), in its tanh form."""
+    return isinstance(module, gelu_class) and module.approximate == "tanh"
+
+
 def _ff_pair(module: torch.nn.Module, gelu_class: type):
     """A diffusers FeedForward: net = [GELU(tanh), dropouts..., float8 linear] -> (make the GELU
     module only project, the linear layer), else None."""
@@ -156,7 +161,7 @@ def _ff_pair(module: torch.nn.Module, gelu_class: type):
     if not isinstance(net, torch.nn.ModuleList) or len(net) < 2:
         return None
     act = net[0]
-    if not (isinstance(act, gelu_class) and act.approximate == "tanh"):
+    if not _is_tanh_gelu(act, gelu_class):
         return None
     rest = [m for m in list(net)[1:] if not isinstance(m, (torch.nn.Dropout, torch.nn.Identity))]
     if len(rest) != 1 or not _is_fp8(rest[0]):
@@ -172,7 +177,7 @@ def _single_stream_pair(module: torch.nn.Module):
     """Flux's single-stream block split by kernels.split_out_proj: proj_mlp, act_mlp (tanh GELU),
     proj_out_mlp (float8) -> (make act_mlp an identity, proj_out_mlp), else None."""
     act, down = getattr(module, "act_mlp", None), getattr(module, "proj_out_mlp", None)
-    if not (isinstance(act, torch.nn.GELU) and act.approximate == "tanh" and _is_fp8(down)):
+    if not (_is_tanh_gelu(act) and _is_fp8(down)):
         return None
 
     def identity() -> None:
@@ -182,6 +187,4 @@ def _single_stream_pair(module: torch.nn.Module):
 
 
 def _joined_single_stream(module: torch.nn.Module) -> bool:
-    act = getattr(module, "act_mlp", None)
-    return (isinstance(act, torch.nn.GELU) and act.approximate == "tanh" and hasattr(module, "proj_out")
-            and _is_fp8(module.proj_out))
+    return _is_tanh_gelu(getattr(module, "act_mlp", None)) and _is_fp8(getattr(module, "proj_out", None))
