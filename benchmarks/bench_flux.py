@@ -45,7 +45,9 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
    Ours, per variant of `--images`: the step scope (Denoiser: forward + our graph-safe sampler per
    engine call) under our graphs, the same embeddings, per-row noise from the same seeds as FluxPipeline
    draws it, VAE decode, uint8 on the host. Captured (and compiled) first, reported apart; then timed
-   batch by batch from the noise to the images.
+   batch by batch from the noise to the images; on CUDA also, on events, the GPU's time per step of the
+   denoising as the case runs it (steps back to back; the steps table times 10 after a warm-up) and
+   per decode.
    Compared on the same rows: each variant's images against diffusers' (max and mean level difference),
    each float8 variant's against the bf16 variant's (`--bf16`): PSNR (peak 255) and max level.
    Speed-up: diffusers' seconds per image / ours, in this run.
@@ -367,9 +369,23 @@ def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, d
                 for name in ("emb", "pooled")}
         guidance = torch.full((len(rows),), case.guidance, dtype=torch.float32, device=device)
         noise = batch_noise([it.seed for it in rows], adapter.latent_shape(side, side), adapter.dtype, device)
+        marks[0].record()
         latents = denoiser.denoise(noise, cond, guidance, side, side)
-        return to_uint8(adapter.decode(latents)).cpu().numpy()
+        marks[1].record()
+        decoded = adapter.decode(latents)
+        marks[2].record()
+        return to_uint8(decoded).cpu().numpy()
 
+    def timed_images_of(rows: list[Item]) -> np.ndarray:
+        images = images_of(rows)
+        if device.type == "cuda":  # .cpu() above waited for the decode: the marks are done
+            spans["denoise_ms"].append(marks[0].elapsed_time(marks[1]))
+            spans["decode_ms"].append(marks[1].elapsed_time(marks[2]))
+        return images
+
+    # GPU time of each batch's denoising (steps back to back, as a job runs them) and decode
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else [_NoEvent()] * 3
+    spans: dict[str, list[float]] = {"denoise_ms": [], "decode_ms": []}
     batches = case.batches()
     metrics = denoiser.engine.metrics
     if metrics.active:
@@ -379,12 +395,22 @@ def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, d
     synchronize(device)
     ready_s = time.perf_counter() - start
     start = time.perf_counter()
-    images = np.concatenate([images_of(rows) for rows in batches])
+    images = np.concatenate([timed_images_of(rows) for rows in batches])
     result = timing(case, time.perf_counter() - start, len(batches))
     denoiser.engine.close()
+    if spans["denoise_ms"]:  # a step as the case ran it, against the steps table's step alone
+        result["ms_per_step"] = round(sum(spans["denoise_ms"]) / (len(batches) * case.steps), 2)
+        result["decode_ms_per_batch"] = round(sum(spans["decode_ms"]) / len(batches), 2)
     return {**result, "ready_s": round(ready_s, 2), "capture_all_s": round(captured_s, 2),
             "first_pass_s": round(metrics.first_pass_s, 2), "warmup_s": round(metrics.warmup_s, 2),
             "capture_s": round(metrics.capture_s, 2), "graphs": len(metrics.graphs)}, images
+
+
+class _NoEvent:
+    """A CUDA event's stand-in off CUDA: nothing is timed."""
+
+    def record(self) -> None:
+        pass
 
 
 def compare_images(ours: np.ndarray, reference: np.ndarray) -> dict:
@@ -612,11 +638,12 @@ def fp8_comparisons(case: dict) -> dict:
 
 def variant_table(cases: dict) -> list[str]:
     """One line per case and variant: speed, preparation (compile, warm-up, capture) and difference."""
-    lines = ["| case | variant | s/img | img/s | x | vs diffusers max / mean lvl | ready s | first pass s | "
-             "warm-up s | capture s | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | variant | s/img | img/s | x | ms/step, decode ms per batch (GPU) | vs diffusers max / mean lvl | "
+             "ready s | first pass s | warm-up s | capture s | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cases.items():
         for variant, v in c["variants"].items():
             lines.append(f"| {name} | {variant} | {v['s_per_image']:.3f} | {v['images_per_s']:.3f} | {v['speedup']:.2f}x | "
+                         f"{_x(v.get('ms_per_step'))}, {_x(v.get('decode_ms_per_batch'))} | "
                          f"{v['vs_diffusers']['max']} / {v['vs_diffusers']['mean']} | {v['ready_s']} | "
                          f"{v['first_pass_s']} | {v['warmup_s']} | {v['capture_s']} | {_x(v['peak_gib'])} |")
     return lines
