@@ -223,6 +223,22 @@ def test_fp8_gelu_op_compiles_with_dynamic_rows_and_computes_the_gelu_then_quant
         fp8_gelu.fuse_gelu_quantization(torch.nn.Sequential(torch.nn.Linear(16, 16)))
 
 
+
+@pytest.mark.parametrize("cols", [1, 2, 3, 7, 1000, 3072, 4096, 4608, 12288, 16384])
+def test_fp8_gelu_row_blocks_cover_the_row_with_the_least_padding_of_two_powers_of_two(cols):
+    """The kernel's two blocks: a power of two no wider than the row, then one that holds the rest,
+    padded only where the rest is not a power of two; Flux's and PixArt's widths without padding."""
+    from pipeline.kernels import fp8_gelu
+
+    head, tail = fp8_gelu.row_blocks(cols)
+    rest = cols - head
+    assert head & (head - 1) == 0 and head <= cols < 2 * head
+    assert (tail == 0) == (rest == 0)
+    if tail:
+        assert tail & (tail - 1) == 0 and rest <= tail < 2 * rest
+    if cols in (3072, 4608, 12288):
+        assert head + tail == cols
+
 def test_persistent_reductions_compile_the_same_step_are_keyed_and_need_compile():
     """kernels.persistent_reductions: a compile option that names itself in inductor's cache key (a
     graph pass whose uuid says it) with our choices in the compiling thread; on the CPU (no Triton

@@ -4,10 +4,14 @@ quantization of its output as one Triton kernel, read by the down-projection's f
 The up-projection is a float8 matmul, which has no GELU epilogue, so without this its bf16 output is
 read by the GELU and the quantization that inductor fuses into one looped reduction: it reads every
 row twice (once for the row's maximum, once to scale it) and computes the GELU twice. Here one program
-holds a whole row: it reads it once, applies the GELU in fp32 (its tanh as 1 - 2 / (exp(2u) + 1); with
-CUDA's tanhf this kernel was slower than inductor's, benchmarks/bench_fp8_gelu.py), rounds it to the
-row's dtype (the value the unfused model multiplies), takes the row's absolute maximum, and writes the
-float8 row and its scale. Block sizes and warps are constants (`SETTING`): every process reduces a row the same way.
+holds a whole row: it reads it once, applies the GELU in fp32, rounds it to the row's dtype (the value
+the unfused model multiplies), takes the row's absolute maximum, and writes the float8 row and its scale.
+The kernel is bound by its instructions, not by memory (benchmarks/bench_fp8_gelu.py), so it spends few:
+the GELU as x - x / (exp(2u) + 1) (0.5 x (1 + tanh u) rewritten) with the GPU's approximate division;
+each value times the row's 1 / scale; the row as two blocks of powers of two, the largest that fits
+and the rest (Flux's 12,288 columns are 8,192 + 4,096), where one block of the next power of two
+would spend a quarter of its lanes on padding. Block sizes and warps are constants (`SETTING`):
+every process reduces a row the same way.
 
 Where: the diffusers `GELU` (tanh, a projection inside) followed by a float8 linear layer in a
 `FeedForward`, and Flux's single-stream block once kernels.split_out_proj has given its MLP its own
@@ -34,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_COLS = 16384  # a row in one program's registers
 WARPS = 8  # benchmarks/bench_fp8_gelu.py times others
-SETTING = f"triton-row-warps{WARPS}-tanh-exp"  # in the job's kernel digest: another setting, other bytes
+SETTING = f"triton-row-warps{WARPS}-two-blocks-fast-div"  # in the job's kernel digest: another setting, other bytes
 
 
 def check(kernels: KernelsConfig, device: torch.device | None) -> None:
@@ -74,37 +78,64 @@ def _(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _kernel():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import libdevice
 
     @triton.jit
-    def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, fp8_max, min_amax, BLOCK_COLS: tl.constexpr):
+    def gelu_rounded(ptr, cols, ok, MASKED: tl.constexpr):
+        """The row's dtype, GELU'd in fp32 and rounded back, as fp32 (masked lanes: 0)."""
+        if MASKED:
+            x = tl.load(ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(ptr + cols).to(tl.float32)
+        two_u = x * (1.5957691216057308 + 0.07135481627260025 * x * x)  # 2 sqrt(2/pi) (x + 0.044715 x^3)
+        y = x - libdevice.fast_dividef(x, tl.exp(two_u) + 1.0)  # exp overflows to inf for large u: y = x
+        return y.to(ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, fp8_max, min_amax, HEAD: tl.constexpr,
+                             TAIL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_COLS)
-        ok = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # exp overflows to inf for large u: tanh 1
-        y = (0.5 * x * (1.0 + tanh)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(y), axis=0), min_amax)
-        scale = amax / fp8_max
-        q = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
-        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        x_row, q_row = x_ptr + row * n_cols, q_ptr + row * n_cols
+        head = tl.arange(0, HEAD)
+        y_head = gelu_rounded(x_row, head, None, False)
+        amax = tl.max(tl.abs(y_head), axis=0)
+        if TAIL > 0:
+            tail = HEAD + tl.arange(0, TAIL)
+            tail_ok = tail < n_cols
+            y_tail = gelu_rounded(x_row, tail, tail_ok, True)
+            amax = tl.maximum(amax, tl.max(tl.abs(y_tail), axis=0))
+        scale = tl.maximum(amax, min_amax) / fp8_max
+        inverse = 1.0 / scale
+        q_head = tl.minimum(tl.maximum(y_head * inverse, -fp8_max), fp8_max)
+        tl.store(q_row + head, q_head.to(q_ptr.dtype.element_ty))
+        if TAIL > 0:
+            q_tail = tl.minimum(tl.maximum(y_tail * inverse, -fp8_max), fp8_max)
+            tl.store(q_row + tail, q_tail.to(q_ptr.dtype.element_ty), mask=tail_ok)
         tl.store(scale_ptr + row, scale)
 
-    return gelu_quantize_kernel, triton.next_power_of_2
+    return gelu_quantize_kernel
+
+
+def row_blocks(n_cols: int) -> tuple[int, int]:
+    """A row of n_cols > 0 values -> (head, tail): the largest power of two <= n_cols, and the power of two
+    that holds the rest (0 when nothing is left; padded when the rest is not a power of two)."""
+    head = 1 << (n_cols.bit_length() - 1)
+    rest = n_cols - head
+    return head, (1 << (rest - 1).bit_length()) if rest else 0
 
 
 def _triton_gelu_quantize(rows: torch.Tensor, warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on contiguous CUDA rows; `warps`: its fixed choice (a benchmark's to vary)."""
-    kernel, next_power_of_2 = _kernel()
     n_rows, n_cols = rows.shape
     if n_cols > MAX_COLS:
         raise ValueError(f"gelu_quantize_rows: rows of at most {MAX_COLS} values, got {n_cols}")
     q = torch.empty((n_rows, n_cols), device=rows.device, dtype=fp8.FP8)
     scale = torch.empty((n_rows, 1), device=rows.device, dtype=torch.float32)
-    if n_rows:
+    if n_rows and n_cols:
+        head, tail = row_blocks(n_cols)
         with torch.cuda.device(rows.device):
-            kernel[(n_rows,)](rows, q, scale, n_cols, fp8.FP8_MAX, fp8.MIN_AMAX,
-                              BLOCK_COLS=next_power_of_2(n_cols), num_warps=warps)
+            _kernel()[(n_rows,)](rows, q, scale, n_cols, fp8.FP8_MAX, fp8.MIN_AMAX, HEAD=head, TAIL=tail,
+                                 num_warps=warps)
     return q, scale
 
 
