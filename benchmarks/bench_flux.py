@@ -16,7 +16,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   (kernels.split_out_proj: the single-stream blocks' out-projection without the joined copy), `hoist`
   (kernels.hoist_modulation: every step's modulation projections computed once per batch; its steps are
   timed without that batch's table, which the cases include), `persist` (kernels.persistent_reductions:
-  layer norms and float8 quantizations as persistent reductions), `autotune`
+  layer norms and float8 quantizations as persistent reductions), `fa8` (kernels.fp8_attention: Flux's
+  attention in float8, a Triton kernel), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `descent` (kernels.compile_mode=coordinate-descent with
   compile_tuning=timed: inductor times block sizes around its heuristics' for each Triton kernel, the
@@ -102,7 +103,7 @@ VARIANTS = ("eager", "graph", *FASTEST)  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
-         "hoist": {"hoist_modulation": True}, "persist": {"persistent_reductions": True},
+         "hoist": {"hoist_modulation": True}, "persist": {"persistent_reductions": True}, "fa8": {"fp8_attention": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
          "descent": {"compile_mode": "coordinate-descent", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
@@ -229,7 +230,8 @@ def variant_name(text: str) -> str:
 
 
 def is_fp8(variant: str) -> bool:
-    return "fp8" in variant.split("+")
+    """A variant with a float8 part (kernels.fp8, kernels.fp8_attention): its images differ from bf16's."""
+    return any(key.startswith("fp8") for part in variant.split("+") for key in PARTS.get(part, {}))
 
 
 def variant_kernels(variant: str) -> KernelsConfig:

@@ -128,6 +128,9 @@ class KernelsConfig:
     # With fp8: the GELU and the float8 quantization of its output as one Triton kernel, which reads
     # each row once (the float8 matmul has no GELU epilogue).
     fuse_gelu: bool = False
+    # Flux: the attention's two matmuls in float8 (a Triton flash-attention kernel; queries and keys
+    # scaled by the bound their RMS norms set, values per dimension; CUDA sm89+). Images differ.
+    fp8_attention: bool = False
     # PixArt: each block's residual adds done by the matmuls (cuBLAS adds into the residual stream;
     # the gates folded into the weights once per step, the biases carried to the next layer norm):
     # three elementwise passes less per block. Needs compile_scope=norms with kernels.compile.

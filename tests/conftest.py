@@ -37,6 +37,13 @@ def model_config(name: str) -> ModelConfig:
     return OmegaConf.to_object(raw)
 
 
+def wide_heads_flux() -> ModelConfig:
+    """tiny_flux with heads of 32 dimensions (kernels.fp8_attention's smallest), still 2 of them."""
+    config = model_config("tiny_flux")
+    config.arch["transformer"].update(attention_head_dim=32, axes_dims_rope=[8, 12, 12])
+    return config
+
+
 def cpu_job(manifest: Path, out: Path, *overrides: str) -> JobConfig:
     return job_config(
         f"manifest.path={manifest}", f"output.dir={out}", "precision=fp32", "runtime.device=cpu",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_job, job_config, model_config, png, rows, write_manifest
+from conftest import cpu_job, job_config, model_config, png, rows, wide_heads_flux, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
@@ -709,3 +709,57 @@ def test_split_out_projection_is_refused_for_other_families(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     with pytest.raises(UserError, match=r"set kernels.split_out_proj=false"):  # at start, before any model
         run(cpu_job(manifest, tmp_path / "out", "kernels.split_out_proj=true"))
+
+
+def test_fp8_attention_runs_every_flux_attention_on_float8_inputs_close_to_diffusers():
+    """kernels.fp8_attention on the tiny Flux: every attention module (both block kinds) goes through the
+    float8 op (the probe counts it, and no SDPA call is left); the step stays close to diffusers' and
+    differs from it (the inputs are rounded to float8); compiled as one graph, it computes what it
+    computes eagerly."""
+    from pipeline.kernels import fp8_attention
+    from pipeline.kernels.compile import compile_transformer
+
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+    t = flux.transformer
+    x = random_inputs(flux)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+        report = fp8_attention.apply(KernelsConfig(fp8_attention=True), flux)
+        out = flux.guided_eps(x)
+        calls = probe_attention(lambda: flux.guided_eps(x))
+    modules = len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert report == {"fp8_attention_modules": modules}
+    assert calls == {fp8_attention.FP8_ATTENTION_OP: modules}
+    assert 0 < rel_err(out, reference) < 0.05
+    compile_transformer(t, "default", "fixed", shapes=1, dynamic=True, scope="blocks")
+    with torch.no_grad():
+        compiled = flux.guided_eps(x)
+    assert rel_err(compiled, out) < 1e-4
+
+
+def test_fp8_attention_scales_bound_every_normalized_query_and_are_refused_elsewhere():
+    """The queries' and keys' scales hold the largest value an RMS norm and the rotary embedding can
+    give (all of a row's weight on one dimension) within float8's range, and use most of it; the
+    setting is Flux's and needs float8 tensor cores."""
+    from pipeline.kernels import fp8_attention
+
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    attn = flux.transformer.transformer_blocks[0].attn
+    with torch.no_grad():
+        attn.norm_q.weight.uniform_(-3, 3)
+        attn.norm_added_q.weight.uniform_(-5, 5)
+    scales = fp8_attention.qk_scales(attn)
+    d = attn.head_dim
+    worst = torch.zeros(1, 1, 1, d)
+    worst[..., int(attn.norm_added_q.weight.abs().argmax())] = 7.0
+    peak = attn.norm_added_q(worst).abs().max()
+    assert peak / scales[0] <= fp8_attention.FP8_MAX
+    assert peak / scales[0] > 0.9 * fp8_attention.FP8_MAX
+    with pytest.raises(UserError, match=r"kernels.fp8_attention=true: .*model families \['flux'\]\); this model is "
+                                        r"'pixart'; set kernels.fp8_attention=false"):
+        check_kernels(KernelsConfig(fp8_attention=True), "pixart")
+    with pytest.raises(UserError, match="kernels.fp8_attention=true needs a CUDA GPU with float8 tensor cores"):
+        check_kernels(KernelsConfig(fp8_attention=True), "flux", torch.device("cpu"))
+    assert output_kernels(KernelsConfig(fp8_attention=True))["fp8_attention"] == fp8_attention.SETTING
+    with pytest.raises(UserError, match=r"takes heads of \[32, 64, 128, 256\] dimensions, this model's have 16"):
+        fp8_attention.use_fp8_attention(flux.transformer, torch.device("cuda"))  # tiny_flux: 16

@@ -14,7 +14,7 @@ import torch
 from bcg.buckets import pick_bucket
 from bcg.buffers import InputSpec, pad_rows
 from bcg.engine import BCGEngine
-from conftest import model_config
+from conftest import model_config, wide_heads_flux
 from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.kernels import apply_kernels
@@ -41,11 +41,12 @@ COMPILED_VS_EAGER_REL_ERR = 0.01
 FUSED_STEP_REL_ERR = 0.02
 
 
-def tiny_flux():
-    """A new tiny Flux, dynamo's state reset (as in a job's process: each test's compiles count alone)."""
+def tiny_flux(config=None):
+    """A new tiny Flux (or `config`'s), dynamo's state reset (as in a job's process: each test's
+    compiles count alone)."""
     torch._dynamo.reset()
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
-    return build_model(model_config("tiny_flux"), torch.device("cuda"), torch.bfloat16)
+    return build_model(config or model_config("tiny_flux"), torch.device("cuda"), torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +123,10 @@ def test_fp8_linear_is_close_to_bf16_eager_compiled_and_replayed():
     engine.close()
 
 
-def with_kernels(kernels: KernelsConfig, key=(64, 64), n=2):
-    """The tiny Flux's step on n random rows, eagerly, then with `kernels` applied (apply_kernels, as a
-    job does) -> (adapter, report, inputs, the step before, the step after)."""
-    adapter = tiny_flux()
+def with_kernels(kernels: KernelsConfig, key=(64, 64), n=2, adapter=None):
+    """The tiny Flux's (or `adapter`'s) step on n random rows, eagerly, then with `kernels` applied
+    (apply_kernels, as a job does) -> (adapter, report, inputs, the step before, the step after)."""
+    adapter = adapter or tiny_flux()
     inputs = random_inputs(adapter, key, n)
     reference = eager(adapter, key, inputs, n)
     report = apply_kernels(kernels, adapter, key, shapes=4)
@@ -242,3 +243,39 @@ def test_persistent_reductions_read_a_wide_layer_norm_in_one_pass_and_compute_it
     assert "triton_per_" in codes[True] and "triton_red_" not in codes[True]
     assert "triton_red_" in codes[False] and "triton_per_" not in codes[False]
     assert rel_err(outs[True], outs[False]) < COMPILED_VS_EAGER_REL_ERR
+
+
+@needs_fp8
+@pytest.mark.parametrize("batch,tokens", [(1, 4608), (2, 1000)])
+def test_fp8_attention_kernel_computes_what_its_reference_does(batch, tokens):
+    """The Triton float8 attention against the same quantized inputs through float32 attention
+    (fp8_attention.reference): the probabilities' float8 rounding only; a token count that is not a
+    multiple of the block (masked keys) too; close to bf16 SDPA on the unquantized inputs."""
+    from pipeline.kernels import fp8_attention as fa
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, tokens, 24, 128, device="cuda", generator=gen) for _ in range(3))
+    q, k = (torch.nn.functional.rms_norm(t, (128,)) for t in (q, k))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    scales = torch.full((2,), 128 ** 0.5 / fa.FP8_MAX, device="cuda")
+    q8, k8 = ((t.float() / s).to(FP8) for t, s in ((q, scales[0]), (k, scales[1])))
+    v8t, v_scale = fa.quantize_values(v)
+    out = torch.ops.bcg.fp8_attention(q8, k8, v8t, scales, v_scale, 128 ** -0.5)
+    ref = fa.reference(q8, k8, v8t, scales, v_scale, 128 ** -0.5)
+    assert out.shape == (batch, tokens, 24, 128) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 0.05
+    exact = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert rel_err(fa.fp8_sdpa(q, k, v, scales), exact) < 0.08
+
+
+@needs_fp8
+def test_fp8_attention_flux_compiled_blocks_replay_equals_the_compiled_call():
+    """kernels.fp8_attention with the float8 blocks under compiled blocks: every attention module runs
+    the Triton kernel, the step stays close to bf16, and our graph replays it bit for bit."""
+    kernels = KernelsConfig(fp8=True, fp8_attention=True, split_out_proj=True, fuse_gelu=True, compile=True,
+                            compile_scope="blocks")
+    adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny_flux(wide_heads_flux()))
+    t = adapter.transformer
+    assert report["fp8_attention_modules"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)

@@ -45,6 +45,8 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
 FLASH_ATTN_OP = "flash_attn"
+FP8_ATTENTION_OP = "fp8_attention"  # kernels.fp8_attention's processor
+NOT_SDPA = (FLASH_ATTN_OP, FP8_ATTENTION_OP)  # processors' own kernels, counted by count_call
 MATH = "math"
 UNSET = ("auto", "flash_attn")  # no SDPA backend to choose: PyTorch's own choice, or not SDPA at all
 
@@ -114,13 +116,13 @@ def probe_attention(call: Callable[[], object]) -> dict[str, int]:
     FlashAttnProcessor's flash-attn calls as `flash_attn`."""
     counts: Counter[str] = Counter()
     calls, kernels = _SdpaCalls(), _SdpaKernels(counts)
-    token = _FLASH_ATTN_CALLS.set(counts)
+    token = _PROCESSOR_CALLS.set(counts)
     try:
         with torch.compiler.set_stance("force_eager"), calls, kernels:
             call()
     finally:
-        _FLASH_ATTN_CALLS.reset(token)
-    fused = sum(n for backend, n in counts.items() if backend != FLASH_ATTN_OP)
+        _PROCESSOR_CALLS.reset(token)
+    fused = sum(n for backend, n in counts.items() if backend not in NOT_SDPA)
     if calls.count > fused:
         counts[MATH] += calls.count - fused
     return dict(sorted(counts.items()))
@@ -154,8 +156,15 @@ class _SdpaKernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# the probe's counter while it runs, where FlashAttnProcessor counts its flash-attn calls
-_FLASH_ATTN_CALLS: ContextVar[Counter | None] = ContextVar("flash_attn_calls", default=None)
+# the probe's counter while it runs, where processors count the calls their own kernels serve
+_PROCESSOR_CALLS: ContextVar[Counter | None] = ContextVar("processor_calls", default=None)
+
+
+def count_call(backend: str) -> None:
+    """One attention call served by a processor's own kernel (`backend`, one of NOT_SDPA), counted
+    while `probe_attention` runs (which runs eagerly: a compile traces no count)."""
+    if not torch.compiler.is_compiling() and (probing := _PROCESSOR_CALLS.get()) is not None:
+        probing[backend] += 1
 
 
 class FlashAttnProcessor:
@@ -186,8 +195,7 @@ class FlashAttnProcessor:
             key = attn.norm_k(key.transpose(1, 2)).transpose(1, 2)
         if attention_mask is None:
             out = self.flash_attn_func(query, key, value, dropout_p=0.0, causal=False)
-            if (probing := _FLASH_ATTN_CALLS.get()) is not None:
-                probing[FLASH_ATTN_OP] += 1
+            count_call(FLASH_ATTN_OP)
         else:
             mask = attn.prepare_attention_mask(attention_mask, context.shape[1], b)
             mask = mask.view(b, attn.heads, -1, mask.shape[-1])

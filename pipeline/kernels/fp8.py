@@ -47,10 +47,10 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
         check_fp8(device)
 
 
-def check_fp8(device: torch.device) -> None:
+def check_fp8(device: torch.device, what: str = "kernels.fp8=true") -> None:
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise UserError("kernels.fp8=true needs a CUDA GPU with float8 tensor cores (sm89+: Ada, Hopper, Blackwell)")
+        raise UserError(f"{what} needs a CUDA GPU with float8 tensor cores (sm89+: Ada, Hopper, Blackwell)")
 
 
 def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:

@@ -1,0 +1,240 @@
+"""kernels.fp8_attention: Flux's attention with both of its matmuls in float8, one Triton kernel.
+
+Flux normalizes its queries and keys (an RMS norm per head, then the rotary embedding), which bounds
+them: after the norm a head's values have a root mean square of 1, so no value exceeds sqrt(D)
+times the norm's largest weight, and the rotation keeps that bound. The queries' and keys' float8
+scales are those bounds / 448, computed once per attention module from its norms' weights
+(`qk_scales`): the quantization is a multiply and a cast, which kernels.compile fuses into the
+kernel that normalizes and rotates them, and it cannot overflow. The values are not normalized: one
+scale per (row, head, dimension) from their absolute maximum over the tokens (`quantize_values`),
+stored transposed ([B, H, D, S], tokens contiguous) as the float8 tensor cores read their second
+operand.
+
+The kernel (`attention`) is a flash-attention forward: per block of queries it walks the keys in
+blocks, keeps the running maximum and sum of the softmax in float32, and multiplies the
+probabilities, scaled by 2^8 and cast to float8 e4m3, by the float8 values. Block sizes and warps are
+constants (`SETTING`): every process computes a row the same way. The CPU runs `reference`: the same
+quantized inputs, dequantized, through float32 attention with unrounded probabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from contextlib import nullcontext
+
+import torch
+
+from pipeline.config import KernelsConfig
+from pipeline.errors import UserError
+from pipeline.kernels import fp8
+from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
+from pipeline.models.base import Adapter
+
+log = logging.getLogger(__name__)
+
+FP8 = fp8.FP8
+FP8_MAX = fp8.FP8_MAX
+P_SHIFT = 8  # probabilities (at most 1) times 2^8 before the float8 cast: small ones keep their bits
+BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 3  # benchmarks/bench_fp8_attention.py times others
+HEAD_DIMS = (32, 64, 128, 256)  # float8 tensor cores multiply at least 32 values; a block's width is a power of 2
+SETTING = f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}"
+QK_SCALES = "fp8_qk_scales"  # the attention module's buffer: float32 [2], the queries' and keys' scales
+
+
+def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+    """On a known device: float8 tensor cores, or a refusal."""
+    if kernels.fp8_attention and device is not None:
+        fp8.check_fp8(device, "kernels.fp8_attention=true")
+
+
+def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
+    """-> {"fp8_attention_modules": n} when on, else {}."""
+    if not kernels.fp8_attention:
+        return {}
+    modules = use_fp8_attention(adapter.transformer, adapter.device)
+    log.info("kernels: %d attention modules in float8 (Triton, %s)", modules, SETTING)
+    return {"fp8_attention_modules": modules}
+
+
+def use_fp8_attention(transformer: torch.nn.Module, device: torch.device) -> int:
+    """Fp8FluxAttnProcessor on every Flux attention module whose queries and keys are RMS-normalized,
+    with its scales (this instance only) -> modules changed (none, or heads the kernel cannot take on
+    CUDA: refused; the CPU's reference takes any)."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    modules = [m for m in transformer.modules() if isinstance(m, FluxAttention)]
+    if not modules or not all(isinstance(m.norm_q, torch.nn.RMSNorm) and isinstance(m.norm_k, torch.nn.RMSNorm)
+                              for m in modules):
+        raise UserError("kernels.fp8_attention=true: this transformer has no Flux attention with RMS-normalized "
+                        "queries and keys (their bound sets the float8 scales); set kernels.fp8_attention=false")
+    if torch.device(device).type == "cuda" and modules[0].head_dim not in HEAD_DIMS:
+        raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(HEAD_DIMS)} dimensions, this "
+                        f"model's have {modules[0].head_dim}; set kernels.fp8_attention=false")
+    processor = Fp8FluxAttnProcessor()
+    for module in modules:
+        module.register_buffer(QK_SCALES, qk_scales(module))
+        module.set_processor(processor)
+    return len(modules)
+
+
+def qk_scales(attn: torch.nn.Module) -> torch.Tensor:
+    """float32 [2]: the float8 scales of this module's queries and keys, sqrt(head_dim) times the
+    largest weight of their norms (the image's and, in a double block, the text's) / 448."""
+    def bound(*norms) -> torch.Tensor:
+        weights = [n.weight.detach().abs().amax().float() for n in norms if n is not None and n.weight is not None]
+        largest = torch.stack(weights).amax() if weights else torch.tensor(1.0)
+        return math.sqrt(attn.head_dim) * largest / FP8_MAX
+
+    q = bound(attn.norm_q, getattr(attn, "norm_added_q", None))
+    k = bound(attn.norm_k, getattr(attn, "norm_added_k", None))
+    return torch.stack([q, k]).to(device=attn.norm_q.weight.device, dtype=torch.float32)
+
+
+def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [B, S, H, D] -> (float8 [B, H, D, S] contiguous, scales float32 [B, H, D]): one scale per row,
+    head and dimension, over the tokens."""
+    scale = v.abs().amax(dim=1).float().clamp(min=fp8.MIN_AMAX) / FP8_MAX
+    v8 = (v.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return v8.permute(0, 2, 3, 1).contiguous(), scale
+
+
+def fp8_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Attention of [B, S, H, D] queries, keys and values (diffusers' layout), the queries and keys
+    bounded by `scales` * 448 -> [B, S, H, D] in the queries' dtype."""
+    q8 = (query.float() / scales[0]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    k8 = (key.float() / scales[1]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    v8t, v_scale = quantize_values(value)
+    out = torch.ops.bcg.fp8_attention(q8, k8, v8t, scales, v_scale, 1.0 / math.sqrt(query.shape[-1]))
+    return out.to(query.dtype)
+
+
+def reference(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float) -> torch.Tensor:
+    """The kernel's result in float32 from the dequantized inputs -> [B, S, H, D] bfloat16."""
+    q = (q8.float() * qk_scales[0]).transpose(1, 2)  # [B, H, S, D]
+    k = (k8.float() * qk_scales[1]).transpose(1, 2)
+    v = (v8t.float() * v_scale[..., None]).transpose(2, 3)
+    out = torch.softmax(q @ k.transpose(2, 3) * softmax_scale, dim=-1) @ v  # not SDPA: the probe counts SDPA's calls
+    return out.transpose(1, 2).to(torch.bfloat16).contiguous()
+
+
+@torch.library.custom_op("bcg::fp8_attention", mutates_args=())
+def fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor, qk_scales: torch.Tensor,
+                  v_scale: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Quantized queries and keys [B, S, H, D], values [B, H, D, S] (`fp8_sdpa`) -> attention
+    [B, S, H, D] bfloat16. An operator torch.compile calls as it is."""
+    if q8.device.type != "cuda":
+        return reference(q8, k8, v8t, qk_scales, v_scale, softmax_scale)
+    return attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale)
+
+
+@fp8_attention.register_fake
+def _(q8, k8, v8t, qk_scales, v_scale, softmax_scale):
+    return q8.new_empty(q8.shape, dtype=torch.bfloat16)
+
+
+class Fp8FluxAttnProcessor:
+    """diffusers' FluxAttnProcessor (0.42) with fp8_sdpa in place of its attention call: the same
+    projections, norms, rotary embedding and out-projections."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        if attention_mask is not None:
+            raise NotImplementedError("kernels.fp8_attention: Flux's attention takes no mask")
+        query, key, value, text_query, text_key, text_value = _get_qkv_projections(attn, hidden_states,
+                                                                                   encoder_hidden_states)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None:
+            text_query, text_key, text_value = (t.unflatten(-1, (-1, attn.head_dim))
+                                                for t in (text_query, text_key, text_value))
+            query = torch.cat([attn.norm_added_q(text_query), query], dim=1)
+            key = torch.cat([attn.norm_added_k(text_key), key], dim=1)
+            value = torch.cat([text_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        hidden_states = fp8_sdpa(query, key, value, getattr(attn, QK_SCALES)).flatten(2, 3)
+        count_call(FP8_ATTENTION_OP)
+        if encoder_hidden_states is None:
+            return hidden_states
+        text, image = hidden_states.split_with_sizes(
+            [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text.contiguous())
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_attention_kernel(Q, K, V, QK_SCALES, VS, O,
+                             q_b, q_s, q_h, k_b, k_s, k_h, v_b, v_h, v_d, vs_b, vs_h, o_b, o_s, o_h,
+                             H, S, scale_log2,
+                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHIFT: tl.constexpr,
+                             EVEN: tl.constexpr):
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D)
+        row_ok = rows < S
+        q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_s + dims[None, :], mask=row_ok[:, None], other=0.0)
+        # scores in the log2 domain: q8 . k8 times both scales, the softmax scale and log2(e)
+        c = tl.load(QK_SCALES) * tl.load(QK_SCALES + 1) * scale_log2
+        k_ptr = K + b * k_b + h * k_h + cols[None, :] * k_s + dims[:, None]  # [D, BLOCK_N]
+        v_ptr = V + b * v_b + h * v_h + cols[:, None] + dims[None, :] * v_d  # [BLOCK_N, D], tokens contiguous
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for start_n in tl.range(0, S, BLOCK_N):
+            if EVEN:
+                k = tl.load(k_ptr)
+                v = tl.load(v_ptr)
+                s = tl.dot(q, k) * c
+            else:
+                col_ok = start_n + cols < S
+                k = tl.load(k_ptr, mask=col_ok[None, :], other=0.0)
+                v = tl.load(v_ptr, mask=col_ok[:, None], other=0.0)
+                s = tl.where(col_ok[None, :], tl.dot(q, k) * c, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - (m_new - SHIFT)[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(V.dtype.element_ty), v, acc * alpha[:, None])
+            m_i = m_new
+            k_ptr += BLOCK_N * k_s
+            v_ptr += BLOCK_N
+        v_scale = tl.load(VS + b * vs_b + h * vs_h + dims)
+        out = acc / l_i[:, None] * v_scale[None, :]
+        tl.store(O + b * o_b + h * o_h + rows[:, None] * o_s + dims[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+    return fp8_attention_kernel
+
+
+def attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+              warps: int = WARPS, stages: int = STAGES) -> torch.Tensor:
+    """The Triton kernel (CUDA, or the Triton interpreter on the CPU) -> [B, S, H, D] bfloat16; block
+    sizes, warps and stages are its fixed choices (a benchmark's to vary)."""
+    batch, tokens, heads, dim = q8.shape
+    if q8.stride(-1) != 1 or k8.stride(-1) != 1 or v8t.stride(-1) != 1 or v_scale.stride(-1) != 1:
+        raise ValueError("fp8_attention: the last dimension of q8, k8, v8t and v_scale must be contiguous")
+    out = torch.empty((batch, tokens, heads, dim), device=q8.device, dtype=torch.bfloat16)
+    grid = (-(-tokens // block_m), batch * heads)
+    with torch.cuda.device(q8.device) if q8.is_cuda else nullcontext():
+        _kernel()[grid](q8, k8, v8t, qk_scales, v_scale, out,
+                        q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
+                        v8t.stride(0), v8t.stride(1), v8t.stride(2), v_scale.stride(0), v_scale.stride(1),
+                        out.stride(0), out.stride(1), out.stride(2),
+                        heads, tokens, softmax_scale * math.log2(math.e),
+                        D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SHIFT=P_SHIFT, EVEN=tokens % block_n == 0,
+                        num_warps=warps, num_stages=stages)
+    return out
