@@ -7,7 +7,8 @@ row twice (once for the row's maximum, once to scale it) and computes the GELU t
 holds a whole row: it reads it once, applies the GELU in fp32, rounds it to the row's dtype (the value
 the unfused model multiplies), takes the row's absolute maximum, and writes the float8 row and its scale.
 The kernel is bound by its instructions, not by memory (benchmarks/bench_fp8_gelu.py), so it spends few:
-the GELU as x - x / (exp(2u) + 1) (0.5 x (1 + tanh u) rewritten) with the GPU's approximate division;
+the GELU as x / (1 + exp(-2u)) (0.5 x (1 + tanh u) rewritten, without its cancellation where x < 0)
+with the GPU's approximate division;
 each value times the row's 1 / scale; the row as two blocks of powers of two, the largest that fits
 and the rest (Flux's 12,288 columns are 8,192 + 4,096), where one block of the next power of two
 would spend a quarter of its lanes on padding. Block sizes and warps are constants (`SETTING`):
@@ -88,7 +89,7 @@ def _kernel():
         else:
             x = tl.load(ptr + cols).to(tl.float32)
         two_u = x * (1.5957691216057308 + 0.07135481627260025 * x * x)  # 2 sqrt(2/pi) (x + 0.044715 x^3)
-        y = x - libdevice.fast_dividef(x, tl.exp(two_u) + 1.0)  # exp overflows to inf for large u: y = x
+        y = libdevice.fast_dividef(x, 1.0 + tl.exp(-two_u))  # x sigmoid(2u); exp overflows to inf: y = 0
         return y.to(ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
