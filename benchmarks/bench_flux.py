@@ -48,7 +48,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
    draws it, VAE decode, uint8 on the host. Captured (and compiled) first, reported apart; then timed
    batch by batch from the noise to the images; on CUDA also, on events, the GPU's time per step of the
    denoising as the case runs it (steps back to back; the steps table times 10 after a warm-up) and
-   per decode.
+   per decode; with `--profile`, the kernel time of the case's first batch once more (its replayed
+   steps, and its decode in `other`), per step and category, to set beside that time.
    Compared on the same rows: each variant's images against diffusers' (max and mean level difference),
    each float8 variant's against the bf16 variant's (`--bf16`): PSNR (peak 255) and max level.
    Speed-up: diffusers' seconds per image / ours, in this run.
@@ -193,7 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls of a step; passes before a capture")
     p.add_argument("--profile", action="store_true",
-                   help="each step's attention calls by backend and kernel time by category (matmul, attention, ...)")
+                   help="each step's attention calls by backend and kernel time by category (matmul, attention, ...); "
+                        "each case's kernel time per step as it replays them")
     p.add_argument("--smoke", action="store_true", help="tiny_flux on the CPU, in seconds")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_flux.json")
     p.add_argument("--report", type=Path, help="print the tables of a saved JSON (a run stopped early: what it measured)")
@@ -354,10 +356,11 @@ def diffusers_case(pipe, case: Case, embeddings: dict, device: torch.device) -> 
 
 @torch.no_grad()
 def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, device: torch.device,
-             warmup: int) -> tuple[dict, np.ndarray]:
+             warmup: int, profile: bool = False) -> tuple[dict, np.ndarray]:
     """The case's rows through the step scope under graphs (captured, and compiled, first; then a
     warm-up: the decode, or with graphs off one batch) -> (the timing after capture and warm-up and the
-    preparation's seconds, uint8 [rows, H, W, 3])."""
+    preparation's seconds, uint8 [rows, H, W, 3]). With `profile`, after the timing, the kernel time
+    of the first batch once more (its replayed steps and decode) by category, per step."""
     side = case.side
     start = time.perf_counter()
     attention = attention_of(variant)
@@ -399,6 +402,10 @@ def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, d
     start = time.perf_counter()
     images = np.concatenate([timed_images_of(rows) for rows in batches])
     result = timing(case, time.perf_counter() - start, len(batches))
+    if profile:  # the kernels the case replays, against the steps table's profile of an eager call
+        per_batch, top = profile_categories(lambda: images_of(batches[0]), device, calls=1)
+        result["profile_ms_per_step"] = {k: round(v / case.steps, 3) for k, v in per_batch.items()}
+        result["profile_top"] = top
     denoiser.engine.close()
     if spans["denoise_ms"]:  # a step as the case ran it, against the steps table's step alone
         result["ms_per_step"] = round(sum(spans["denoise_ms"]) / (len(batches) * case.steps), 2)
@@ -531,7 +538,7 @@ def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int],
     bf16 = args.bf16
     for case in cases if variant in args.images else []:
         reset_peak(device)
-        timed, images = generate(adapter, variant, case, embeddings, device, args.warmup)
+        timed, images = generate(adapter, variant, case, embeddings, device, args.warmup, args.profile)
         ours[case.name, variant] = images
         entry = results["cases"][case.name]
         entry["variants"][variant] = {**timed, "peak_gib": peak_gib(device),
@@ -651,6 +658,19 @@ def variant_table(cases: dict) -> list[str]:
     return lines
 
 
+def case_profile_table(cases: dict) -> list[str]:
+    rows = [(name, variant, v["profile_ms_per_step"]) for name, c in cases.items()
+            for variant, v in c["variants"].items() if "profile_ms_per_step" in v]
+    categories = sorted({k for _, _, p in rows for k in p})
+    lines = ["| case | variant | ms/step (events) | " + " | ".join(categories) + " | sum |",
+             "|---|---|---|" + "---|" * (len(categories) + 1)]
+    for name, variant, p in rows:
+        cells = [f"{p.get(k, 0):.2f}" for k in categories] + [f"{sum(p.values()):.2f}"]
+        lines.append(f"| {name} | {variant} | {_x(cases[name]['variants'][variant].get('ms_per_step'))} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def table(results: dict) -> str:
     lines = []
     if results["steps"]:
@@ -659,6 +679,9 @@ def table(results: dict) -> str:
             lines += ["Step profiles", *profile_table(results["steps"]), ""]
     if results["cases"]:
         lines += ["Cases", *case_table(results["cases"]), "", "Variants per case", *variant_table(results["cases"]), ""]
+        if any("profile_ms_per_step" in v for c in results["cases"].values() for v in c["variants"].values()):
+            lines += ["Case profiles (kernel ms per step, replayed; the decode in other)",
+                      *case_profile_table(results["cases"]), ""]
     for which, m in results["models"].items():
         lines.append(f"{which}: {m['name']} built in {m['build_s']} s ({m['transformer_parameters_b']} B transformer "
                      f"parameters, {_x(m['model_gib'])} GiB)")

@@ -36,7 +36,9 @@ def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path)
         # the same noise and embeddings on both sides: bf16 rounding apart, the same images
         assert ours["vs_diffusers"]["max"] < 32
         assert "fp8_vs_bf16" not in case
-    assert "Step profiles" in proc.stdout and "| graph | 64 | 1 |" in proc.stdout and "| schnell-1024-b1 | 64 | 1 | 1 | 2 |" in proc.stdout
+        # --profile: the case's own steps (and decode) by kernel category, per step
+        assert ours["profile_ms_per_step"].get("matmul", 0) > 0 and ours["profile_top"]
+    assert "Step profiles" in proc.stdout and "Case profiles" in proc.stdout and "| graph | 64 | 1 |" in proc.stdout and "| schnell-1024-b1 | 64 | 1 | 1 | 2 |" in proc.stdout
     again = run_benchmark("bench_flux.py", "--report", str(out))
     assert again.returncode == 0 and "| eager | 32 | 1 |" in again.stdout and "| 1024-b4 | graph |" in again.stdout
 
