@@ -296,6 +296,31 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict:
     }
 
 
+def time_kernels(candidates: dict[str, Callable[[], object]], shape: dict, device: torch.device, iters: int,
+                 measure: Callable[[object, float], dict]) -> list[dict]:
+    """One row per candidate kernel on one input shape: {**shape, "kernel", "ms", **measure(its output,
+    ms)}, each printed as it is measured; a candidate that cannot be built or run (a block size this
+    Triton refuses) is a row with its "error", not the end of the benchmark."""
+    rows = []
+    for name, fn in candidates.items():
+        try:
+            out = fn()
+            ms = time_calls(fn, device, 3, iters)
+        except Exception as error:  # noqa: BLE001 - reported in its row, the other candidates still run
+            row = {**shape, "kernel": name, "error": f"{type(error).__name__}: {error}"[:300]}
+        else:
+            row = {**shape, "kernel": name, "ms": round(ms, 4), **measure(out, ms)}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def save_rows(out: Path, device: torch.device, args: argparse.Namespace, rows: list[dict]) -> None:
+    """A kernel benchmark's JSON: its environment and rows."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"environment": environment(device, args), "rows": rows}, indent=1))
+
+
 def format_report(results: dict) -> str:
     mib = 2**-20
     lines = ["| model | res | bucket | eager ms | bcg ms | speedup |", "|---|---|---|---|---|---|"]

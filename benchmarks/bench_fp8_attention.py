@@ -16,7 +16,6 @@ The table is printed last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_engine import environment, time_calls
+from benchmarks.bench_engine import save_rows, time_kernels
 from pipeline.kernels import fp8_attention as fa
 
 # Flux 1024 px batch 1 and 4 (4096 image + 512 text tokens), 512 px batch 1 (1024 + 512)
@@ -60,6 +59,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_fp8_attention.json")
     args = p.parse_args()
+    device = torch.device("cuda")
     results = []
     for batch, tokens in SHAPES:
         gen = torch.Generator("cuda").manual_seed(0)
@@ -82,19 +82,9 @@ def main() -> None:
         compiled_fp8 = torch.compile(lambda q, k, v: fa.fp8_sdpa(q, k, v, scales), dynamic=False)
         candidates["compiled cudnn bf16"] = lambda: compiled_bf16(q, k, v)
         candidates["compiled quantize + fp8"] = lambda: compiled_fp8(q, k, v)
-        for name, fn in candidates.items():
-            try:
-                out = fn()
-                ms = time_calls(fn, torch.device("cuda"), 3, args.iters)
-            except Exception as error:  # a config this Triton cannot build is reported, not fatal
-                row = {"batch": batch, "tokens": tokens, "kernel": name, "error": f"{type(error).__name__}: {error}"[:300]}
-            else:
-                row = {"batch": batch, "tokens": tokens, "kernel": name, "ms": round(ms, 4),
-                       "tflops": round(tflop / (ms / 1e3)), **errors(out, ref)}
-            results.append(row)
-            print(row, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"environment": environment(torch.device("cuda"), args), "rows": results}, indent=1))
+        results += time_kernels(candidates, {"batch": batch, "tokens": tokens}, device, args.iters,
+                                lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
+    save_rows(args.out, device, args, results)
     print("\n| batch x tokens | kernel | ms | TFLOP/s | rel RMS vs cuDNN bf16 | max abs |\n|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:

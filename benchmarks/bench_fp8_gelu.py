@@ -15,7 +15,6 @@ dequantized difference in float8 steps and the share of equal bytes. The table i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_engine import environment, time_calls
+from benchmarks.bench_engine import save_rows, time_kernels
 from pipeline.kernels import fp8_gelu
 
 # Flux 1024 px batch 1: single blocks (text + image tokens), the image and text streams' feed-forward;
@@ -46,6 +45,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_fp8_gelu.json")
     args = p.parse_args()
+    device = torch.device("cuda")
     rows_out = []
     for n_rows, n_cols in SHAPES:
         x = (torch.randn(n_rows, n_cols, device="cuda") * 3).to(torch.bfloat16)
@@ -55,18 +55,16 @@ def main() -> None:
         candidates = {"inductor": lambda: compiled(x)}
         for warps in WARPS:
             candidates[f"triton w{warps}"] = lambda w=warps: fp8_gelu._triton_gelu_quantize(x, w)
-        for name, fn in candidates.items():
-            ms = time_calls(fn, torch.device("cuda"), 3, args.iters)
-            row = {"rows": n_rows, "cols": n_cols, "kernel": name, "ms": round(ms, 4),
-                   "gb_per_s": round(gbytes / (ms / 1e3)), **compare(fn(), ref)}
-            rows_out.append(row)
-            print(row, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"environment": environment(torch.device("cuda"), args), "rows": rows_out}, indent=1))
+        rows_out += time_kernels(candidates, {"rows": n_rows, "cols": n_cols}, device, args.iters,
+                                 lambda out, ms: {"gb_per_s": round(gbytes / (ms / 1e3)), **compare(out, ref)})
+    save_rows(args.out, device, args, rows_out)
     print("\n| rows x cols | kernel | ms | GB/s | max fp8 steps | equal bytes |\n|---|---|---|---|---|---|")
     for r in rows_out:
-        print(f"| {r['rows']} x {r['cols']} | {r['kernel']} | {r['ms']} | {r['gb_per_s']} | {r['max_fp8_steps']} | "
-              f"{r['equal_bytes']} |")
+        if "error" in r:
+            print(f"| {r['rows']} x {r['cols']} | {r['kernel']} | {r['error'][:80]} | | | |")
+        else:
+            print(f"| {r['rows']} x {r['cols']} | {r['kernel']} | {r['ms']} | {r['gb_per_s']} | {r['max_fp8_steps']} | "
+                  f"{r['equal_bytes']} |")
     print(f"\nwritten: {args.out}")
 
 

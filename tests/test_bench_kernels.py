@@ -38,3 +38,32 @@ def test_profiled_smoke_run_reports_time_by_category(tmp_path):
         assert [ms for *_, ms in top] == sorted((ms for *_, ms in top), reverse=True), name
         assert row["replay_equals_eager"], name
     assert result["step_flops_by_kind"]["matmul"] > 0
+
+
+def test_kernel_candidates_are_timed_measured_and_a_failing_one_is_a_row_with_its_error(tmp_path, capsys):
+    """bench_engine.time_kernels (bench_fp8_gelu's and bench_fp8_attention's loop): every candidate a
+    row with the shape, its time and what `measure` makes of its output; one that raises is reported
+    by name and the next still runs; save_rows writes them with the environment."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from benchmarks.bench_engine import save_rows, time_kernels
+
+    def refused():
+        raise ValueError("block size 256 is not supported")
+
+    x = torch.arange(6.0)
+    rows = time_kernels({"double": lambda: x * 2, "refused": refused, "square": lambda: x * x}, {"cols": 6},
+                        torch.device("cpu"), 2, lambda out, ms: {"sum": float(out.sum())})
+    assert [(r["kernel"], r.get("sum")) for r in rows] == [("double", 30.0), ("refused", None), ("square", 55.0)]
+    assert rows[0]["cols"] == 6 and rows[0]["ms"] >= 0 and "ms" not in rows[1]
+    assert rows[1]["error"] == "ValueError: block size 256 is not supported"
+    assert "'kernel': 'refused'" in capsys.readouterr().out
+    out = tmp_path / "rows" / "k.json"
+    save_rows(out, torch.device("cpu"), argparse.Namespace(iters=2, out=out), rows)
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["environment"]["iters"] == 2 and saved["environment"]["device"] == "cpu"
