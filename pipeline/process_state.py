@@ -4,9 +4,10 @@ Hydra sweep in one process behave as each would alone and a caller finds torch a
 A job sets torch's numerics flags (pipeline.precision), dynamo's recompile limits (a compile),
 environment variables (the Hugging Face offline flags for a local checkpoint, inductor's cache
 directory), inductor's choices for this thread (kernels.persistent_reductions), seeds the CPU
-generator (random weights), makes its GPU the current CUDA device, and leaves its compiled code in dynamo's caches, where a later model of the same classes passes the
-guards: it would run the first job's compilation and report none of its own. Changes to a model
-need no undoing: they are made to that model's instances (pipeline.kernels).
+generator (random weights), makes its GPU the current CUDA device, and leaves its compiled code in
+dynamo's caches, where a later model of the same classes passes the guards: it would run the first
+job's compilation and report none of its own. Changes to a model need no undoing: they are made to
+that model's instances (pipeline.kernels).
 """
 
 from __future__ import annotations
