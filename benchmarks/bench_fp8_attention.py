@@ -33,8 +33,9 @@ from pipeline.kernels import fp8_attention as fa
 # Flux 1024 px batch 1 and 4 (4096 image + 512 text tokens), 512 px batch 1 (1024 + 512)
 SHAPES = ((1, 4608), (4, 4608), (1, 1536))
 HEADS, DIM = 24, 128
-# (block_m, block_n, warps, stages)
-CONFIGS = ((64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3))
+# (block_m, block_n, warps, stages, loads by TMA)
+CONFIGS = ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 64, 4, 3, True), (64, 128, 4, 3, True),
+           (64, 128, 4, 2, True), (64, 128, 4, 4, True), (128, 128, 8, 3, True))
 
 
 def sdpa(q, k, v):
@@ -74,10 +75,10 @@ def main() -> None:
         scale = 1 / math.sqrt(DIM)
         candidates = {"sdpa cudnn bf16": lambda: under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v),
                       "sdpa flash bf16": lambda: under(SDPBackend.FLASH_ATTENTION, sdpa)(q, k, v)}
-        for bm, bn, w, st in CONFIGS:
-            candidates[f"fp8 m{bm} n{bn} w{w} s{st}"] = (
-                lambda bm=bm, bn=bn, w=w, st=st: fa.attention(q8, k8, v8t, scales, v_scale, scale,
-                                                              bm, bn, w, st))
+        for bm, bn, w, st, tma in CONFIGS:
+            candidates[f"fp8 m{bm} n{bn} w{w} s{st}{' tma' if tma else ''}"] = (
+                lambda bm=bm, bn=bn, w=w, st=st, tma=tma: fa.attention(q8, k8, v8t, scales, v_scale, scale,
+                                                                       bm, bn, w, st, tma))
         compiled_bf16 = torch.compile(under(SDPBackend.CUDNN_ATTENTION, sdpa), dynamic=False)
         compiled_fp8 = torch.compile(lambda q, k, v: fa.fp8_sdpa(q, k, v, scales), dynamic=False)
         candidates["compiled cudnn bf16"] = lambda: compiled_bf16(q, k, v)

@@ -269,6 +269,25 @@ def test_fp8_attention_kernel_computes_what_its_reference_does(batch, tokens):
 
 
 @needs_fp8
+@pytest.mark.parametrize("tokens", [4608, 1040])
+def test_fp8_attention_loads_by_tma_or_by_address_to_the_same_result(tokens):
+    """The kernel's two ways of loading blocks (TMA where the layout allows, addresses elsewhere) give
+    the same bytes, a token count that is not a multiple of the block included: which one runs cannot
+    change an image."""
+    from pipeline.kernels import fp8_attention as fa
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    q8, k8, v = (torch.randn(2, tokens, 24, 128, device="cuda", generator=gen) for _ in range(3))
+    q8, k8 = ((torch.nn.functional.rms_norm(t, (128,)) * 30).to(FP8) for t in (q8, k8))
+    v8t, v_scale = fa.quantize_values(v.to(torch.bfloat16))
+    scales = torch.full((2,), 128 ** 0.5 / fa.FP8_MAX, device="cuda")
+    assert fa.tma_layout(q8, k8, v8t) is None
+    by_tma = fa.attention(q8, k8, v8t, scales, v_scale, 128 ** -0.5)
+    by_address = fa.attention(q8, k8, v8t, scales, v_scale, 128 ** -0.5, tma=False)
+    assert torch.equal(by_tma, by_address)
+
+
+@needs_fp8
 def test_fp8_attention_flux_compiled_blocks_replay_equals_the_compiled_call():
     """kernels.fp8_attention with the float8 blocks under compiled blocks: every attention module runs
     the Triton kernel, the step stays close to bf16, and our graph replays it bit for bit."""

@@ -13,7 +13,9 @@ operand.
 The kernel (`attention`) is a flash-attention forward: per block of queries it walks the keys in
 blocks, keeps the running maximum and sum of the softmax in float32, and multiplies the
 probabilities, scaled by 2^8 and cast to float8 e4m3, by the float8 values. Block sizes and warps are
-constants (`SETTING`): every process computes a row the same way. The CPU runs `reference`: the same
+constants (`SETTING`): every process computes a row the same way. The blocks of queries, keys and values
+are loaded by the GPU's tensor memory accelerator (TMA) where their layout allows it, else by address
+(the same values, slower; said once). The CPU runs `reference`: the same
 quantized inputs, dequantized, through float32 attention with unrounded probabilities.
 """
 
@@ -37,9 +39,9 @@ log = logging.getLogger(__name__)
 FP8 = fp8.FP8
 FP8_MAX = fp8.FP8_MAX
 P_SHIFT = 8  # probabilities (at most 1) times 2^8 before the float8 cast: small ones keep their bits
-BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 3  # benchmarks/bench_fp8_attention.py times others
+BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 128, 4, 3  # benchmarks/bench_fp8_attention.py times others
 HEAD_DIMS = (32, 64, 128, 256)  # float8 tensor cores multiply at least 32 values; a block's width is a power of 2
-SETTING = f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}"
+SETTING = f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}"  # TMA or not: the same sums
 QK_SCALES = "fp8_qk_scales"  # the attention module's buffer: float32 [2], the queries' and keys' scales
 
 
@@ -173,11 +175,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_attention_kernel(Q, K, V, QK_SCALES, VS, O,
+    def fp8_attention_kernel(Q, K, V, QK_SCALES, VS, O, Q_DESC, K_DESC, V_DESC,
                              q_b, q_s, q_h, k_b, k_s, k_h, v_b, v_h, v_d, vs_b, vs_h, o_b, o_s, o_h,
                              H, S, scale_log2,
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHIFT: tl.constexpr,
-                             EVEN: tl.constexpr):
+                             EVEN: tl.constexpr, TMA: tl.constexpr):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
@@ -186,7 +188,13 @@ def _kernel():
         cols = tl.arange(0, BLOCK_N)
         dims = tl.arange(0, D)
         row_ok = rows < S
-        q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_s + dims[None, :], mask=row_ok[:, None], other=0.0)
+        # TMA: the descriptors' 2-D views, q and k [B*S, H*D], v [B*H*D, S]; a block past a row's tokens
+        # reads the next row's (queries: not stored; keys: masked below) or zeros past the tensor's end
+        q_row = (b * S + start_m * BLOCK_M).to(tl.int32)
+        if TMA:
+            q = Q_DESC.load([q_row, (h * D).to(tl.int32)])
+        else:
+            q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_s + dims[None, :], mask=row_ok[:, None], other=0.0)
         # scores in the log2 domain: q8 . k8 times both scales, the softmax scale and log2(e)
         c = tl.load(QK_SCALES) * tl.load(QK_SCALES + 1) * scale_log2
         k_ptr = K + b * k_b + h * k_h + cols[None, :] * k_s + dims[:, None]  # [D, BLOCK_N]
@@ -195,18 +203,24 @@ def _kernel():
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for start_n in tl.range(0, S, BLOCK_N):
-            if EVEN:
+            col_ok = start_n + cols < S
+            if TMA:
+                k = K_DESC.load([(b * S + start_n).to(tl.int32), (h * D).to(tl.int32)]).T
+                v = V_DESC.load([(bh * D).to(tl.int32), start_n]).T
+            elif EVEN:
                 k = tl.load(k_ptr)
                 v = tl.load(v_ptr)
-                s = tl.dot(q, k) * c
             else:
-                col_ok = start_n + cols < S
                 k = tl.load(k_ptr, mask=col_ok[None, :], other=0.0)
                 v = tl.load(v_ptr, mask=col_ok[:, None], other=0.0)
-                s = tl.where(col_ok[None, :], tl.dot(q, k) * c, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.dot(q, k)
+            if not EVEN:
+                qk = tl.where(col_ok[None, :], qk, float("-inf"))
+            # the scale c > 0 commutes with the maximum: one multiply per row, and one fused
+            # multiply-add per score below
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
             alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - (m_new - SHIFT)[:, None])
+            p = tl.math.exp2(qk * c - (m_new - SHIFT)[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = tl.dot(p.to(V.dtype.element_ty), v, acc * alpha[:, None])
             m_i = m_new
@@ -221,20 +235,54 @@ def _kernel():
 
 
 def attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-              warps: int = WARPS, stages: int = STAGES) -> torch.Tensor:
+              warps: int = WARPS, stages: int = STAGES, tma: bool = True) -> torch.Tensor:
     """The Triton kernel (CUDA, or the Triton interpreter on the CPU) -> [B, S, H, D] bfloat16; block
-    sizes, warps and stages are its fixed choices (a benchmark's to vary)."""
+    sizes, warps and stages are its fixed choices (a benchmark's to vary). With `tma`, blocks of
+    queries, keys and values are loaded by the GPU's tensor memory accelerator where their layout
+    allows it (`tma_layout`), else by address: the same values, the same result."""
     batch, tokens, heads, dim = q8.shape
     if q8.stride(-1) != 1 or k8.stride(-1) != 1 or v8t.stride(-1) != 1 or v_scale.stride(-1) != 1:
         raise ValueError("fp8_attention: the last dimension of q8, k8, v8t and v_scale must be contiguous")
     out = torch.empty((batch, tokens, heads, dim), device=q8.device, dtype=torch.bfloat16)
+    descriptors = (None, None, None)
+    if tma:
+        reason = tma_layout(q8, k8, v8t)
+        if reason is None:
+            descriptors = _descriptors(q8, k8, v8t, block_m, block_n)
+        else:
+            tma = False
+            _say_once(f"fp8_attention: blocks loaded by address, not by TMA ({reason}); the same result, slower")
     grid = (-(-tokens // block_m), batch * heads)
     with torch.cuda.device(q8.device) if q8.is_cuda else nullcontext():
-        _kernel()[grid](q8, k8, v8t, qk_scales, v_scale, out,
+        _kernel()[grid](q8, k8, v8t, qk_scales, v_scale, out, *descriptors,
                         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
                         v8t.stride(0), v8t.stride(1), v8t.stride(2), v_scale.stride(0), v_scale.stride(1),
                         out.stride(0), out.stride(1), out.stride(2),
                         heads, tokens, softmax_scale * math.log2(math.e),
                         D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SHIFT=P_SHIFT, EVEN=tokens % block_n == 0,
-                        num_warps=warps, num_stages=stages)
+                        TMA=tma, num_warps=warps, num_stages=stages)
     return out
+
+
+def tma_layout(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor) -> str | None:
+    """None when the tensor memory accelerator can load the kernel's blocks (dense tensors, the token
+    count a multiple of 16 bytes: the values' rows), else why not."""
+    if not (q8.is_contiguous() and k8.is_contiguous() and v8t.is_contiguous()):
+        return "queries, keys or values not contiguous"
+    if q8.shape[1] % 16:
+        return f"{q8.shape[1]} tokens, not a multiple of 16"
+    return None
+
+
+def _descriptors(q8, k8, v8t, block_m: int, block_n: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, tokens, heads, dim = q8.shape
+    return (TensorDescriptor.from_tensor(q8.view(batch * tokens, heads * dim), [block_m, dim]),
+            TensorDescriptor.from_tensor(k8.view(batch * tokens, heads * dim), [block_n, dim]),
+            TensorDescriptor.from_tensor(v8t.view(batch * heads * dim, tokens), [dim, block_n]))
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
