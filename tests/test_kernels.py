@@ -763,3 +763,20 @@ def test_fp8_attention_scales_bound_every_normalized_query_and_are_refused_elsew
     assert output_kernels(KernelsConfig(fp8_attention=True))["fp8_attention"] == fp8_attention.SETTING
     with pytest.raises(UserError, match=r"takes heads of \[32, 64, 128, 256\] dimensions, this model's have 16"):
         fp8_attention.use_fp8_attention(flux.transformer, torch.device("cuda"))  # tiny_flux: 16
+
+
+def test_fp8_attention_loads_by_tma_only_what_the_accelerator_can_address():
+    """The kernel's TMA path takes dense tensors that start on 16 bytes with a token count that is a
+    multiple of 16 (the transposed values' rows); anything else goes by address, and the reason names
+    what is missing."""
+    from pipeline.kernels import fp8_attention as fa
+
+    def tensors(tokens: int, offset: int = 0):
+        q8 = torch.zeros(offset + 2 * tokens * 2 * 32, dtype=torch.uint8)[offset:].view(2, tokens, 2, 32)
+        return q8, torch.zeros(2, tokens, 2, 32, dtype=torch.uint8), torch.zeros(2, 2, 32, tokens, dtype=torch.uint8)
+
+    assert fa.tma_layout(*tensors(64)) is None
+    assert fa.tma_layout(*tensors(200)) == "200 tokens, not a multiple of 16"
+    q8, k8, v8t = tensors(64)
+    assert fa.tma_layout(q8.transpose(1, 2), k8, v8t) == "queries, keys or values not contiguous"
+    assert fa.tma_layout(*tensors(64, offset=8)) == "queries, keys or values not starting on 16 bytes"

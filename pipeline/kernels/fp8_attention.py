@@ -265,10 +265,12 @@ def attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float, block_m: in
 
 
 def tma_layout(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor) -> str | None:
-    """None when the tensor memory accelerator can load the kernel's blocks (dense tensors, the token
-    count a multiple of 16 bytes: the values' rows), else why not."""
+    """None when the tensor memory accelerator can load the kernel's blocks (dense tensors starting on
+    16 bytes, the token count a multiple of 16 bytes: the values' rows), else why not."""
     if not (q8.is_contiguous() and k8.is_contiguous() and v8t.is_contiguous()):
         return "queries, keys or values not contiguous"
+    if any(t.data_ptr() % 16 for t in (q8, k8, v8t)):
+        return "queries, keys or values not starting on 16 bytes"
     if q8.shape[1] % 16:
         return f"{q8.shape[1]} tokens, not a multiple of 16"
     return None
