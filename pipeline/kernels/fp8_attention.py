@@ -13,10 +13,10 @@ operand.
 The kernel (`attention`) is a flash-attention forward: per block of queries it walks the keys in
 blocks, keeps the running maximum and sum of the softmax in float32, and multiplies the
 probabilities, scaled by 2^8 and cast to float8 e4m3, by the float8 values. Block sizes and warps are
-constants (`SETTING`): every process computes a row the same way. The blocks of queries, keys and values
-are loaded by the GPU's tensor memory accelerator (TMA) where their layout allows it, else by address
-(the same values, slower; said once). The CPU runs `reference`: the same
-quantized inputs, dequantized, through float32 attention with unrounded probabilities.
+constants (`SETTING`): every process computes a row the same way. The blocks of queries, keys and
+values are loaded by the GPU's tensor memory accelerator (TMA) where their layout allows it, else by
+address (the same values, slower; said once). The CPU runs `reference`: the same quantized inputs,
+dequantized, through float32 attention with unrounded probabilities.
 """
 
 from __future__ import annotations
