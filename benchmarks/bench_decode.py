@@ -31,9 +31,16 @@ sys.path.insert(0, str(ROOT))
 
 from diffusers import AutoencoderKL
 
-from benchmarks.bench_engine import DTYPE, SEED, bench_device, environment, load_model_conf, save_and_report, time_calls
+from benchmarks.bench_engine import (
+    DTYPE,
+    SEED,
+    bench_device,
+    load_model_conf,
+    save_and_report,
+)
 from pipeline.generate import to_uint8
 from pipeline.kernels import compile_stats, compile_vae_decoder, decode_in_chunks
+from pipeline.timing import environment, time_calls
 
 VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked")
 

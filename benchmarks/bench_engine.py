@@ -32,27 +32,25 @@ import functools
 import gc
 import json
 import logging
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing the package
 
-import diffusers
 from diffusers import AutoencoderKL, DiTTransformer2DModel, PixArtTransformer2DModel
 from omegaconf import OmegaConf
 
 from bcg.buffers import InputSpec
-from bcg.engine import BCGEngine, ShapeKey, SpecFn, StepFn, precision_flags
+from bcg.engine import BCGEngine, ShapeKey, SpecFn, StepFn
 from pipeline.models import quiet_diffusers
 from pipeline.models.pixart import PixArtAdapter
 from pipeline.precision import apply_precision
+from pipeline.timing import environment, time_calls
 
 SEED = 0
 DTYPE = torch.bfloat16
@@ -164,28 +162,6 @@ def make_inputs(specs: dict[str, InputSpec], n: int, device: torch.device) -> In
     return out
 
 
-@torch.no_grad()
-def time_calls(call: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds of one `call()` over `iters` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        call()
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        call()
-        end.record()
-    events[-1][1].synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-
 def time_eager(subject: Subject, inputs: Inputs, device: torch.device, warmup: int, iters: int) -> float:
     return time_calls(lambda: subject.step(inputs), device, warmup, iters)
 
@@ -280,45 +256,6 @@ def bench_device() -> torch.device:
     cudnn.benchmark off."""
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def environment(device: torch.device, args: argparse.Namespace) -> dict:
-    return {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "diffusers": diffusers.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(DTYPE),
-        "precision_flags": precision_flags(),
-        "timing": "median of per-iteration CUDA event pairs (perf_counter on CPU)",
-        **{k: v for k, v in vars(args).items() if k != "out"},
-    }
-
-
-def time_kernels(candidates: dict[str, Callable[[], object]], shape: dict, device: torch.device, iters: int,
-                 measure: Callable[[object, float], dict]) -> list[dict]:
-    """One row per candidate kernel on one input shape: {**shape, "kernel", "ms", **measure(its output,
-    ms)}, each printed as it is measured; a candidate that cannot be built or run (a block size this
-    Triton refuses) is a row with its "error", not the end of the benchmark."""
-    rows = []
-    for name, fn in candidates.items():
-        try:
-            out = fn()
-            ms = time_calls(fn, device, 3, iters)
-        except Exception as error:  # noqa: BLE001 - reported in its row, the other candidates still run
-            row = {**shape, "kernel": name, "error": f"{type(error).__name__}: {error}"[:300]}
-        else:
-            row = {**shape, "kernel": name, "ms": round(ms, 4), **measure(out, ms)}
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
-def save_rows(out: Path, device: torch.device, args: argparse.Namespace, rows: list[dict]) -> None:
-    """A kernel benchmark's JSON: its environment and rows."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"environment": environment(device, args), "rows": rows}, indent=1))
 
 
 def format_report(results: dict) -> str:

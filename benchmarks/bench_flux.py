@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bcg.engine import BCGEngine
-from benchmarks.bench_engine import bench_device, environment, make_inputs, time_calls
+from benchmarks.bench_engine import bench_device, make_inputs
 from pipeline.bench import baseline_prompts, prompt_embeddings
 from pipeline.compare import psnr
 from pipeline.config import KernelsConfig
@@ -97,6 +97,7 @@ from pipeline.models.base import free_memory
 from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
 from pipeline.profiling import profile_categories
+from pipeline.timing import environment, time_calls
 
 # the fastest bf16 and float8 kernels (docs/kernels.md), what docs/BENCHMARKS.md#flux measures
 FASTEST = ("gelu+split+hoist+persist+decoder+compile", "fp8+gelu+split+hoist+persist+fa8+decoder+compile")

@@ -27,8 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_engine import save_rows, time_kernels
 from pipeline.kernels import fp8_attention as fa
+from pipeline.timing import save_and_print_rows, time_kernels
 
 # Flux 1024 px batch 1 and 4 (4096 image + 512 text tokens), 512 px batch 1 (1024 + 512)
 SHAPES = ((1, 4608), (4, 4608), (1, 1536))
@@ -85,15 +85,8 @@ def main() -> None:
         candidates["compiled quantize + fp8"] = lambda: compiled_fp8(q, k, v)
         results += time_kernels(candidates, {"batch": batch, "tokens": tokens}, device, args.iters,
                                 lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
-    save_rows(args.out, device, args, results)
-    print("\n| batch x tokens | kernel | ms | TFLOP/s | rel RMS vs cuDNN bf16 | max abs |\n|---|---|---|---|---|---|")
-    for r in results:
-        if "error" in r:
-            print(f"| {r['batch']} x {r['tokens']} | {r['kernel']} | {r['error'][:80]} | | | |")
-        else:
-            print(f"| {r['batch']} x {r['tokens']} | {r['kernel']} | {r['ms']} | {r['tflops']} | {r['rel_rms']} | "
-                  f"{r['max_abs']} |")
-    print(f"\nwritten: {args.out}")
+    save_and_print_rows(args.out, device, args, results, ("batch", "tokens"),
+                        {"TFLOP/s": "tflops", "rel RMS vs cuDNN bf16": "rel_rms", "max abs": "max_abs"})
 
 
 if __name__ == "__main__":

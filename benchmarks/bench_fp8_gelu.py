@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_engine import save_rows, time_kernels
 from pipeline.kernels import fp8_gelu
+from pipeline.timing import save_and_print_rows, time_kernels
 
 # Flux 1024 px batch 1: single blocks (text + image tokens), the image and text streams' feed-forward;
 # PixArt-Sigma 1024 px batch 8: 8 x 4096 tokens through a 4 x 1152 feed-forward.
@@ -57,15 +57,8 @@ def main() -> None:
             candidates[f"triton w{warps}"] = lambda w=warps: fp8_gelu._triton_gelu_quantize(x, w)
         rows_out += time_kernels(candidates, {"rows": n_rows, "cols": n_cols}, device, args.iters,
                                  lambda out, ms: {"gb_per_s": round(gbytes / (ms / 1e3)), **compare(out, ref)})
-    save_rows(args.out, device, args, rows_out)
-    print("\n| rows x cols | kernel | ms | GB/s | max fp8 steps | equal bytes |\n|---|---|---|---|---|---|")
-    for r in rows_out:
-        if "error" in r:
-            print(f"| {r['rows']} x {r['cols']} | {r['kernel']} | {r['error'][:80]} | | | |")
-        else:
-            print(f"| {r['rows']} x {r['cols']} | {r['kernel']} | {r['ms']} | {r['gb_per_s']} | {r['max_fp8_steps']} | "
-                  f"{r['equal_bytes']} |")
-    print(f"\nwritten: {args.out}")
+    save_and_print_rows(args.out, device, args, rows_out, ("rows", "cols"),
+                        {"GB/s": "gb_per_s", "max fp8 steps": "max_fp8_steps", "equal bytes": "equal_bytes"})
 
 
 if __name__ == "__main__":

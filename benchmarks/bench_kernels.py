@@ -38,12 +38,24 @@ sys.path.insert(0, str(ROOT))
 from torch.nn.attention import sdpa_kernel
 
 from bcg.engine import BCGEngine
-from benchmarks.bench_engine import bench_device, environment, make_inputs, pixart_adapter, save_and_report, time_calls
+from benchmarks.bench_engine import (
+    bench_device,
+    make_inputs,
+    pixart_adapter,
+    save_and_report,
+)
 from benchmarks.bench_scopes import make_denoiser, random_batch, time_denoise
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import CONTIGUOUS_HOOK, SDPA, apply_kernels, check_kernels, with_attention
+from pipeline.kernels import (
+    CONTIGUOUS_HOOK,
+    SDPA,
+    apply_kernels,
+    check_kernels,
+    with_attention,
+)
 from pipeline.profiling import profile_categories, step_flops_by_kind
+from pipeline.timing import environment, time_calls
 
 # A variant is its attention backend (PyTorch SDPA's, or auto) and options joined by "+": compile
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune

@@ -41,17 +41,15 @@ def test_profiled_smoke_run_reports_time_by_category(tmp_path):
 
 
 def test_kernel_candidates_are_timed_measured_and_a_failing_one_is_a_row_with_its_error(tmp_path, capsys):
-    """bench_engine.time_kernels (bench_fp8_gelu's and bench_fp8_attention's loop): every candidate a
+    """pipeline.timing.time_kernels (bench_fp8_gelu's and bench_fp8_attention's loop): every candidate a
     row with the shape, its time and what `measure` makes of its output; one that raises is reported
-    by name and the next still runs; save_rows writes them with the environment."""
+    by name and the next still runs; rows_table prints them, the error in place of the time;
+    save_rows writes them with the environment."""
     import argparse
-    import sys
-    from pathlib import Path
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from benchmarks.bench_engine import save_rows, time_kernels
+    from pipeline.timing import rows_table, save_rows, time_kernels
 
     def refused():
         raise ValueError("block size 256 is not supported")
@@ -63,6 +61,10 @@ def test_kernel_candidates_are_timed_measured_and_a_failing_one_is_a_row_with_it
     assert rows[0]["cols"] == 6 and rows[0]["ms"] >= 0 and "ms" not in rows[1]
     assert rows[1]["error"] == "ValueError: block size 256 is not supported"
     assert "'kernel': 'refused'" in capsys.readouterr().out
+    table = rows_table(rows, ("cols",), {"sum of outputs": "sum"})
+    assert table[:2] == ["| cols | kernel | ms | sum of outputs |", "|---|---|---|---|"]
+    assert table[2].startswith("| 6 | double | ") and table[2].endswith(" | 30.0 |")
+    assert table[3] == "| 6 | refused | ValueError: block size 256 is not supported |  |"
     out = tmp_path / "rows" / "k.json"
     save_rows(out, torch.device("cpu"), argparse.Namespace(iters=2, out=out), rows)
     saved = json.loads(out.read_text())

@@ -190,9 +190,8 @@ def _kernel():
         row_ok = rows < S
         # TMA: the descriptors' 2-D views, q and k [B*S, H*D], v [B*H*D, S]; a block past a row's tokens
         # reads the next row's (queries: not stored; keys: masked below) or zeros past the tensor's end
-        q_row = (b * S + start_m * BLOCK_M).to(tl.int32)
         if TMA:
-            q = Q_DESC.load([q_row, (h * D).to(tl.int32)])
+            q = Q_DESC.load([(b * S + start_m * BLOCK_M).to(tl.int32), (h * D).to(tl.int32)])
         else:
             q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_s + dims[None, :], mask=row_ok[:, None], other=0.0)
         # scores in the log2 domain: q8 . k8 times both scales, the softmax scale and log2(e)
