@@ -100,12 +100,13 @@ from pipeline.profiling import profile_categories
 from pipeline.timing import environment, time_calls
 
 # the fastest bf16 and float8 kernels (docs/kernels.md), what docs/BENCHMARKS.md#flux measures
-FASTEST = ("gelu+split+hoist+persist+decoder+compile", "fp8+gelu+split+hoist+persist+fa8+decoder+compile")
+FASTEST = ("gelu+split+hoist+persist+qknorm+decoder+compile", "fp8+gelu+split+hoist+persist+fa8+decoder+compile")
 VARIANTS = ("eager", "graph", *FASTEST)  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
          "hoist": {"hoist_modulation": True}, "persist": {"persistent_reductions": True}, "fa8": {"fp8_attention": True},
+         "qknorm": {"fuse_qk_norm": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
          "descent": {"compile_mode": "coordinate-descent", "compile_tuning": "timed"},
          "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
@@ -319,7 +320,7 @@ def step_row(adapter: FluxAdapter, variant: str, side: int, batch: int, device: 
     if profile:
         with torch.no_grad():
             row["attention_calls"] = probe_attention(lambda: step(inputs))
-        row["profile_ms"], row["profile_top"] = profile_categories(lambda: step(inputs), device)
+        row["profile_ms"], row["profile_top"] = profile_categories(lambda: step(inputs), device, top=40)
     return row
 
 

@@ -1,6 +1,8 @@
 """Attention at Flux's shapes: PyTorch SDPA in bf16 (cuDNN, flash) against our float8 Triton kernel
-(pipeline/kernels/fp8_attention.py) for several block sizes, warps and stages, and the compiled
-quantize-then-attend function against compiled bf16 SDPA (the quantization's cost included).
+(pipeline/kernels/fp8_attention.py) for several block sizes, warps and stages, the compiled
+quantize-then-attend function against compiled bf16 SDPA (the quantization's cost included), and from
+the projections' outputs: the norms, join, rotation and quantization compiled by inductor against
+attention_inputs. Triton kernels (pipeline/kernels/attention_inputs.py).
 
 On the GPU, from the repository root:
 
@@ -28,10 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.kernels import fp8_attention as fa
+from pipeline.kernels import attention_inputs as fia
 from pipeline.timing import save_and_print_rows, time_kernels
 
 # Flux 1024 px batch 1 and 4 (4096 image + 512 text tokens), 512 px batch 1 (1024 + 512)
 SHAPES = ((1, 4608), (4, 4608), (1, 1536))
+# from the projections: (batch, text tokens, image tokens); text 0: a single block's joined tokens
+PROJECTIONS = ((1, 0, 4608), (1, 512, 4096), (4, 0, 4608))
 HEADS, DIM = 24, 128
 # (block_m, block_n, warps, stages, loads by TMA)
 CONFIGS = ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 64, 4, 3, True), (64, 128, 4, 3, True),
@@ -53,6 +58,72 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     diff = out.float() - ref.float()
     return {"rel_rms": round(float(diff.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()), 5),
             "max_abs": round(float(diff.abs().max()), 4)}
+
+
+def from_projections(batch: int, text: int, image: int, device: torch.device, iters: int) -> list[dict]:
+    """Rows for the attention from the projections' outputs (a double block's text and image, or a single
+    block's joined tokens: text 0): the norms, the join, the rotary embedding and the attention, compiled
+    in bf16 with cuDNN (as kernels.compile runs diffusers' processor), compiled with the float8 kernel
+    (the ops before it as inductor fuses them), and with fp8_attention_inputs' Triton kernels; then the
+    inputs alone, compiled and by the Triton kernels."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    width = HEADS * DIM
+
+    def projections(tokens):
+        return tuple((torch.randn(batch, tokens, width, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+                     for _ in range(3)) if tokens else (None, None, None)
+
+    q, k, v = projections(image)
+    tq, tk, tv = projections(text)
+    weights = (torch.rand(4, DIM, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    angles = torch.rand(text + image, DIM // 2, device="cuda", generator=gen) * 6
+    cos, sin = angles.cos().repeat_interleave(2, 1), angles.sin().repeat_interleave(2, 1)
+    scales = torch.full((2,), DIM ** 0.5 * 1.5 / fa.FP8_MAX, device="cuda")  # the bound of the weights above
+    args = (q, k, v, tq, tk, tv, weights, cos, sin, scales, HEADS, 1e-6)
+    scale = 1 / math.sqrt(DIM)
+
+    def bf16_inputs(q, k, v, tq, tk, tv, weights, cos, sin):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def normed(t, w):
+            return F.rms_norm(t.unflatten(-1, (HEADS, DIM)), (DIM,), w, 1e-6)
+
+        qs, ks, vs = [normed(q, weights[0])], [normed(k, weights[1])], [v.unflatten(-1, (HEADS, DIM))]
+        if tq is not None:
+            qs, ks = [normed(tq, weights[2]), *qs], [normed(tk, weights[3]), *ks]
+            vs = [tv.unflatten(-1, (HEADS, DIM)), *vs]
+        joined = [torch.cat(t, dim=1) if len(t) > 1 else t[0] for t in (qs, ks, vs)]
+        return (*(apply_rotary_emb(t, (cos, sin), sequence_dim=1) for t in joined[:2]), joined[2])
+
+    ref = under(SDPBackend.CUDNN_ATTENTION, sdpa)(*bf16_inputs(*args[:9]))
+    bf16 = torch.compile(lambda *a: under(SDPBackend.CUDNN_ATTENTION, sdpa)(*bf16_inputs(*a)), dynamic=False)
+    inputs_compiled = torch.compile(fia.reference, dynamic=False)
+    fp8_compiled = torch.compile(lambda *a: torch.ops.bcg.fp8_attention(*_ordered(fia.reference(*a), scales), scale),
+                                 dynamic=False)
+    def bf16_kernel():
+        q_rot, k_rot = fia.rotated_qk(q, k, tq, tk, weights, cos, sin, None, HEADS, 1e-6)
+        values = v.unflatten(-1, (HEADS, DIM)) if tv is None else torch.cat([tv, v], dim=1).unflatten(-1, (HEADS, DIM))
+        return under(SDPBackend.CUDNN_ATTENTION, sdpa)(q_rot, k_rot, values)
+
+    candidates = {"compiled norms, rotation + cudnn bf16": lambda: bf16(*args[:9]),
+                  "qk kernel (bf16) + cudnn bf16": bf16_kernel,
+                  "compiled norms, rotation, quantization + fp8": lambda: fp8_compiled(*args),
+                  "inputs kernels + fp8": lambda: torch.ops.bcg.fp8_attention(
+                      *_ordered(torch.ops.bcg.fp8_attention_inputs(*args), scales), scale)}
+    tokens = text + image
+    tflop = 4 * batch * HEADS * tokens ** 2 * DIM / 1e12
+    rows = time_kernels(candidates, {"batch": batch, "text": text, "tokens": tokens}, device, iters,
+                        lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
+    inputs = {"inputs compiled (torch ops)": lambda: inputs_compiled(*args),
+              "inputs kernels": lambda: torch.ops.bcg.fp8_attention_inputs(*args)}
+    return rows + time_kernels(inputs, {"batch": batch, "text": text, "tokens": tokens}, device, iters,
+                               lambda out, ms: {})
+
+
+def _ordered(inputs, scales):
+    """fp8_attention_inputs' (q8, k8, v8t, v_scale) -> fp8_attention's first five arguments."""
+    q8, k8, v8t, v_scale = inputs
+    return q8, k8, v8t, scales, v_scale
 
 
 def main() -> None:
@@ -83,9 +154,11 @@ def main() -> None:
         compiled_fp8 = torch.compile(lambda q, k, v: fa.fp8_sdpa(q, k, v, scales), dynamic=False)
         candidates["compiled cudnn bf16"] = lambda: compiled_bf16(q, k, v)
         candidates["compiled quantize + fp8"] = lambda: compiled_fp8(q, k, v)
-        results += time_kernels(candidates, {"batch": batch, "tokens": tokens}, device, args.iters,
+        results += time_kernels(candidates, {"batch": batch, "text": 0, "tokens": tokens}, device, args.iters,
                                 lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
-    save_and_print_rows(args.out, device, args, results, ("batch", "tokens"),
+    for batch, text, image in PROJECTIONS:
+        results += from_projections(batch, text, image, device, args.iters)
+    save_and_print_rows(args.out, device, args, results, ("batch", "text", "tokens"),
                         {"TFLOP/s": "tflops", "rel RMS vs cuDNN bf16": "rel_rms", "max abs": "max_abs"})
 
 

@@ -131,6 +131,10 @@ class KernelsConfig:
     # Flux: the attention's two matmuls in float8 (a Triton flash-attention kernel; queries and keys
     # scaled by the bound their RMS norms set, values per dimension; CUDA sm89+). Images differ.
     fp8_attention: bool = False
+    # Flux: the attention's per-head RMS norms of queries and keys, the join of text and image tokens
+    # and the rotary embedding in one Triton kernel that reads the projections where they lie (CUDA;
+    # the CPU runs diffusers' ops). A norm's sum may add in another order. Within fp8_attention already.
+    fuse_qk_norm: bool = False
     # PixArt: each block's residual adds done by the matmuls (cuBLAS adds into the residual stream;
     # the gates folded into the weights once per step, the biases carried to the next layer norm):
     # three elementwise passes less per block. Needs compile_scope=norms with kernels.compile.

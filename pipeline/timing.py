@@ -91,7 +91,7 @@ def rows_table(rows: list[dict], shape: tuple[str, ...], columns: dict[str, str]
         if "error" in r:
             values = [r["error"][:80], *[""] * len(columns)]
         else:
-            values = [r["ms"], *(r[key] for key in columns.values())]
+            values = [r["ms"], *(r.get(key, "") for key in columns.values())]
         lines.append(f"| {size} | {r['kernel']} | {' | '.join(str(v) for v in values)} |")
     return lines
 

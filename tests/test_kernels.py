@@ -737,6 +737,37 @@ def test_fp8_attention_runs_every_flux_attention_on_float8_inputs_close_to_diffu
     assert rel_err(compiled, out) < 1e-4
 
 
+def test_fused_qk_norm_runs_every_flux_attention_through_its_op_as_diffusers_computes_it():
+    """kernels.fuse_qk_norm on the tiny Flux: every attention module (both block kinds) normalizes and
+    rotates its queries and keys through the one op (on the CPU diffusers' own ops: the step is
+    diffusers'), the attention stays PyTorch's SDPA; compiled, the same step; the setting is Flux's,
+    names its kernel in the job's digest, and under fp8_attention leaves the float8 processor alone."""
+    from pipeline.kernels import qk_norm
+    from pipeline.kernels.compile import compile_transformer
+
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+    t = flux.transformer
+    x = random_inputs(flux)
+    modules = len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+        assert qk_norm.apply(KernelsConfig(fuse_qk_norm=True, fp8_attention=True), flux) == {}
+        report = qk_norm.apply(KernelsConfig(fuse_qk_norm=True), flux)
+        out = flux.guided_eps(x)
+        calls = probe_attention(lambda: flux.guided_eps(x))
+    assert report == {"fused_qk_norm_modules": modules}
+    assert sum(calls.values()) == modules and not any(op in calls for op in ("fp8_attention", "flash_attn"))
+    assert rel_err(out, reference) < 1e-6
+    compile_transformer(t, "default", "fixed", shapes=1, dynamic=True, scope="blocks")
+    with torch.no_grad():
+        compiled = flux.guided_eps(x)
+    assert rel_err(compiled, out) < 1e-4
+    assert output_kernels(KernelsConfig(fuse_qk_norm=True))["qk_norm"] == qk_norm.attention_inputs.SETTING
+    with pytest.raises(UserError, match=r"kernels.fuse_qk_norm=true: the attention it rewrites is Flux's .*this model "
+                                        r"is 'pixart'; set kernels.fuse_qk_norm=false"):
+        check_kernels(KernelsConfig(fuse_qk_norm=True), "pixart")
+
+
 def test_fp8_attention_scales_bound_every_normalized_query_and_are_refused_elsewhere():
     """The queries' and keys' scales hold the largest value an RMS norm and the rotary embedding can
     give (all of a row's weight on one dimension) within float8's range, and use most of it; the

@@ -269,6 +269,55 @@ def test_fp8_attention_kernel_computes_what_its_reference_does(batch, tokens):
 
 
 @needs_fp8
+@pytest.mark.parametrize("batch,text,image,fused", [(1, 0, 4608, False), (1, 512, 4096, False), (2, 77, 1000, True)])
+def test_fp8_attention_inputs_kernels_compute_what_the_torch_ops_do(batch, text, image, fused):
+    """The Triton kernels that normalize, join, rotate and quantize Flux's queries, keys and values
+    against the torch ops they replace (attention_inputs.reference) on the GPU: the values and
+    their scales the same bytes; the queries and keys the same bytes but where a norm's sum, added in
+    another order, rounds the other way (within one float8 step, or two bf16 steps of the head's
+    largest value where the rotation subtracts); single blocks (no text), double blocks, and
+    projections that are column slices of one fused projection. kernels.fuse_qk_norm's op (bf16 out)
+    against diffusers' ops: most values equal, the rest within the same bounds in bf16 steps."""
+    from pipeline.kernels import attention_inputs as fi
+
+    heads, dim = 24, 128
+    gen = torch.Generator("cuda").manual_seed(2)
+
+    def projections(tokens):
+        if not tokens:
+            return None, None, None
+        x = (torch.randn(batch, tokens, 3 * heads * dim, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+        parts = x.split(heads * dim, dim=-1)
+        return parts if fused else tuple(p.contiguous() for p in parts)
+
+    q, k, v = projections(image)
+    tq, tk, tv = projections(text)
+    weights = (torch.rand(4, dim, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+    angles = torch.rand(text + image, dim // 2, generator=gen, device="cuda") * 6
+    cos, sin = angles.cos().repeat_interleave(2, 1), angles.sin().repeat_interleave(2, 1)
+    scales = torch.full((2,), dim ** 0.5 * 1.5 / 448, device="cuda")
+    args = (q, k, v, tq, tk, tv, weights, cos, sin, scales, heads, 1e-6)
+    q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(*args)
+    ref = fi.reference(*args)
+    assert [t.shape for t in (q8, k8, v8t, v_scale)] == [t.shape for t in ref]
+    assert torch.equal(v8t.view(torch.uint8), ref[2].view(torch.uint8)) and torch.equal(v_scale, ref[3])
+    def within(a, b, step):
+        """a within one rounding step (relative `step`) of b, plus two bf16 steps of the head's largest
+        value: a norm that rounds the other way moves both values of a rotated pair."""
+        head_max = b.abs().amax(dim=-1, keepdim=True)
+        return bool(((a - b).abs() <= step * torch.maximum(a.abs(), b.abs()) + 2 ** -7 * head_max).all())
+
+    for got, want, scale in ((q8, ref[0], scales[0]), (k8, ref[1], scales[1])):
+        assert float((got.view(torch.uint8) == want.view(torch.uint8)).float().mean()) > 0.995
+        assert within(got.float() * scale, want.float() * scale, 0.125)
+    rotated = torch.ops.bcg.rotated_qk(q, k, tq, tk, weights, cos, sin, heads, 1e-6)  # kernels.fuse_qk_norm's
+    for got, want in zip(rotated, fi.rotated_reference(q, k, v, tq, tk, tv, weights, cos, sin, heads, 1e-6)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert float((got == want).float().mean()) > 0.9
+        assert within(got.float(), want.float(), 2 ** -7)
+
+
+@needs_fp8
 @pytest.mark.parametrize("tokens", [4608, 1040])
 def test_fp8_attention_loads_by_tma_or_by_address_to_the_same_result(tokens):
     """The kernel's two ways of loading blocks (TMA where the layout allows, addresses elsewhere) give
@@ -285,6 +334,19 @@ def test_fp8_attention_loads_by_tma_or_by_address_to_the_same_result(tokens):
     by_tma = fa.attention(q8, k8, v8t, scales, v_scale, 128 ** -0.5)
     by_address = fa.attention(q8, k8, v8t, scales, v_scale, 128 ** -0.5, tma=False)
     assert torch.equal(by_tma, by_address)
+
+
+def test_fused_qk_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
+    """kernels.fuse_qk_norm under compiled blocks, with the bf16 path's other Flux settings: every
+    attention module runs the kernel, the step stays as close to diffusers' as the fused ops allow, and
+    our graph replays it bit for bit."""
+    kernels = KernelsConfig(fuse_qk_norm=True, split_out_proj=True, fuse_gelu=True, compile=True,
+                            compile_scope="blocks")
+    adapter, report, inputs, reference, compiled = with_kernels(kernels)
+    t = adapter.transformer
+    assert report["fused_qk_norm_modules"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert rel_err(compiled, reference) < FUSED_STEP_REL_ERR
+    assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
 
 @needs_fp8

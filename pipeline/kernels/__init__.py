@@ -9,6 +9,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - split: kernels.split_out_proj
 - modulation: kernels.hoist_modulation
 - fp8: kernels.fp8
+- qk_norm: kernels.fuse_qk_norm (Flux's attention processor; attention_inputs: its kernel)
 - fp8_attention: kernels.fp8_attention (Flux's attention processor)
 - compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
   (reductions: kernels.persistent_reductions, inductor's choice of persistent reductions)
@@ -30,8 +31,8 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import (attention, compile, decoder, fp8, fp8_attention, fp8_gelu, gelu, modulation, norm, qkv,
-                              residual, split, text)
+from pipeline.kernels import (attention, attention_inputs, compile, decoder, fp8, fp8_attention, fp8_gelu, gelu,
+                              modulation, norm, qk_norm, qkv, residual, split, text)
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
@@ -64,6 +65,7 @@ FUSE_QKV, FUSE_GELU, FUSE_RESIDUAL = switch("fuse_qkv"), switch("fuse_gelu"), sw
 FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
 SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
 PERSISTENT, FP8_ATTENTION = switch("persistent_reductions"), switch("fp8_attention")
+FUSE_QK_NORM = switch("fuse_qk_norm")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 
@@ -80,6 +82,8 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
     # fp8 goes with kernels.compile (which fuses the activations' quantization) and under our graphs.
+    FUSE_QK_NORM: (("flux",), "the attention it rewrites is Flux's (model families {families}); this model is "
+                              "{family!r}"),
     FP8_ATTENTION: (("flux",), "its scales come from the bound of Flux's RMS-normalized queries and keys (model "
                                "families {families}); this model is {family!r}"),
     FP8: (("pixart", "flux"), "its float8 blocks are measured against bf16 (speed and PSNR, docs/BENCHMARKS.md) for "
@@ -112,13 +116,13 @@ NEEDS_CUDA: dict[Option, str] = {
 
 # the options that rewrite the model's modules, in the order apply_kernels applies them (after the
 # attention processor, before the probe, fp8 and compile)
-REWRITES = (qkv, gelu, residual, split, modulation, fp8_attention)
+REWRITES = (qkv, gelu, residual, split, modulation, qk_norm, fp8_attention)
 # the options that make layers float8, in order (after the probe, before compile)
 QUANTIZE = (fp8, fp8_gelu)
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
 CHECKS = (attention.check, compile.check, decoder.check, fp8.check, fp8_attention.check, fp8_gelu.check,
-          residual.check)
+          qk_norm.check, residual.check)
 
 
 def check_kernels(kernels: KernelsConfig, family: str | None = None, device: torch.device | None = None) -> None:
@@ -179,6 +183,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
         out["residual_constants"] = residual.CONSTANTS  # how its per-step constants are computed (their rounding)
     if kernels.fp8_attention:  # its kernel's block sizes set the order of a row's sums
         out["fp8_attention"] = fp8_attention.SETTING
+    elif kernels.fuse_qk_norm:  # its kernel's (the same in fp8_attention's)
+        out.update(fuse_qk_norm=True, qk_norm=attention_inputs.SETTING)
     if kernels.fp8 and kernels.fuse_gelu:  # its kernel's block sizes set a row's reduction
         out["fp8_gelu"] = fp8_gelu.SETTING
     if kernels.compile:

@@ -4,11 +4,11 @@ Flux normalizes its queries and keys (an RMS norm per head, then the rotary embe
 them: after the norm a head's values have a root mean square of 1, so no value exceeds sqrt(D)
 times the norm's largest weight, and the rotation keeps that bound. The queries' and keys' float8
 scales are those bounds / 448, computed once per attention module from its norms' weights
-(`qk_scales`): the quantization is a multiply and a cast, which kernels.compile fuses into the
-kernel that normalizes and rotates them, and it cannot overflow. The values are not normalized: one
-scale per (row, head, dimension) from their absolute maximum over the tokens (`quantize_values`),
-stored transposed ([B, H, D, S], tokens contiguous) as the float8 tensor cores read their second
-operand.
+(`qk_scales`): the quantization is a multiply and a cast, and it cannot overflow. The values are
+not normalized: one scale per (row, head, dimension) from their absolute maximum over the tokens
+(`quantize_values`), stored transposed ([B, H, D, S], tokens contiguous) as the float8 tensor cores
+read their second operand. Norms, rotation and quantization run in the Triton kernels of
+pipeline/kernels/attention_inputs.py, straight from the projections' outputs.
 
 The kernel (`attention`) is a flash-attention forward: per block of queries it walks the keys in
 blocks, keeps the running maximum and sum of the softmax in float32, and multiplies the
@@ -30,7 +30,7 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import fp8
+from pipeline.kernels import attention_inputs, fp8
 from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
 from pipeline.models.base import Adapter
 
@@ -41,7 +41,8 @@ FP8_MAX = fp8.FP8_MAX
 P_SHIFT = 8  # probabilities (at most 1) times 2^8 before the float8 cast: small ones keep their bits
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 128, 4, 3  # benchmarks/bench_fp8_attention.py times others
 HEAD_DIMS = (32, 64, 128, 256)  # float8 tensor cores multiply at least 32 values; a block's width is a power of 2
-SETTING = f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}"  # TMA or not: the same sums
+# TMA or not: the same sums; with the inputs' kernels' own
+SETTING = f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}+{attention_inputs.SETTING}"
 QK_SCALES = "fp8_qk_scales"  # the attention module's buffer: float32 [2], the queries' and keys' scales
 
 
@@ -62,15 +63,9 @@ def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
 
 def use_fp8_attention(transformer: torch.nn.Module, device: torch.device) -> int:
     """Fp8FluxAttnProcessor on every Flux attention module whose queries and keys are RMS-normalized,
-    with its scales (this instance only) -> modules changed (none, or heads the kernel cannot take on
-    CUDA: refused; the CPU's reference takes any)."""
-    from diffusers.models.transformers.transformer_flux import FluxAttention
-
-    modules = [m for m in transformer.modules() if isinstance(m, FluxAttention)]
-    if not modules or not all(isinstance(m.norm_q, torch.nn.RMSNorm) and isinstance(m.norm_k, torch.nn.RMSNorm)
-                              for m in modules):
-        raise UserError("kernels.fp8_attention=true: this transformer has no Flux attention with RMS-normalized "
-                        "queries and keys (their bound sets the float8 scales); set kernels.fp8_attention=false")
+    with its scales and norms' weights (this instance only) -> modules changed (none, or heads the
+    kernel cannot take on CUDA: refused; the CPU's reference takes any)."""
+    modules = attention_inputs.flux_attentions(transformer, "fp8_attention")
     if torch.device(device).type == "cuda" and modules[0].head_dim not in HEAD_DIMS:
         raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(HEAD_DIMS)} dimensions, this "
                         f"model's have {modules[0].head_dim}; set kernels.fp8_attention=false")
@@ -137,36 +132,20 @@ def _(q8, k8, v8t, qk_scales, v_scale, softmax_scale):
 
 
 class Fp8FluxAttnProcessor:
-    """diffusers' FluxAttnProcessor (0.42) with fp8_sdpa in place of its attention call: the same
-    projections, norms, rotary embedding and out-projections."""
+    """diffusers' FluxAttnProcessor (0.42) with float8 attention: the same projections and
+    out-projections; the norms, the text and image tokens joined, the rotary embedding and the
+    quantization in three kernels (pipeline/kernels/attention_inputs.py), then the attention's."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
-
-        if attention_mask is not None:
-            raise NotImplementedError("kernels.fp8_attention: Flux's attention takes no mask")
-        query, key, value, text_query, text_key, text_value = _get_qkv_projections(attn, hidden_states,
-                                                                                   encoder_hidden_states)
-        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if attn.added_kv_proj_dim is not None:
-            text_query, text_key, text_value = (t.unflatten(-1, (-1, attn.head_dim))
-                                                for t in (text_query, text_key, text_value))
-            query = torch.cat([attn.norm_added_q(text_query), query], dim=1)
-            key = torch.cat([attn.norm_added_k(text_key), key], dim=1)
-            value = torch.cat([text_value, value], dim=1)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        hidden_states = fp8_sdpa(query, key, value, getattr(attn, QK_SCALES)).flatten(2, 3)
+        *inputs, eps = attention_inputs.projections(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                                    image_rotary_emb)
+        scales = getattr(attn, QK_SCALES)
+        q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(
+            *inputs, getattr(attn, attention_inputs.NORM_WEIGHTS), *image_rotary_emb, scales,
+            inputs[0].shape[-1] // attn.head_dim, eps)
+        out = torch.ops.bcg.fp8_attention(q8, k8, v8t, scales, v_scale, 1.0 / math.sqrt(attn.head_dim))
         count_call(FP8_ATTENTION_OP)
-        if encoder_hidden_states is None:
-            return hidden_states
-        text, image = hidden_states.split_with_sizes(
-            [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
-        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
-        return image, attn.to_add_out(text.contiguous())
+        return attention_inputs.out_projections(attn, out.to(inputs[0].dtype).flatten(2, 3), encoder_hidden_states)
 
 
 @functools.cache

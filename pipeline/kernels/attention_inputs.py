@@ -1,0 +1,344 @@
+"""Flux's attention inputs: its queries and keys RMS-normalized, joined (text, then image tokens) and
+rotated, straight from the projections' outputs, by one Triton kernel, in the model's dtype
+(kernels.fuse_qk_norm: `rotated_qk` op) or quantized to float8 with the values quantized and
+transposed too (kernels.fp8_attention: `fp8_attention_inputs` op, three kernels); and what both
+settings' attention processors share (`projections`, `out_projections`, the norms' weights).
+
+What the float8 kernels replace (`reference`, which the CPU runs): each head's RMS norm of the queries and keys
+(the text's norms for a double block's text tokens), the text and image tokens joined, diffusers'
+rotary embedding, and the float8 quantization of pipeline/kernels/fp8_attention.py: the queries and
+keys divided by the module's fixed scales, the values by one scale per (row, head, dimension) from
+their absolute maximum over the tokens, stored [B, H, D, S]. Compiled, those ops are several
+inductor kernels that read the projections more than once and copy the joined tokens; here:
+
+- `qk_kernel`, per block of tokens and a few heads: reads the queries and keys where the projections
+  wrote them (text or image), normalizes and rotates them, rounding to the model's dtype where the
+  model does (after the norm's weight, after the rotation), and writes them as float8; the rotary
+  embedding's cos and sin are read once for those heads;
+- `v_max_kernel`, per (row, head) and a share of the tokens: the values' absolute maximum per
+  dimension, raised into one buffer (`atomic_max`: a maximum does not depend on the order);
+- `v_kernel`, once every maximum is known: reads the values again, scales them and writes them
+  transposed (tokens contiguous), and the scales.
+
+The values' scales and divisions round as torch's do on the GPU (the same bytes); the queries and
+keys are multiplied by their scales' inverse (a division's result but for a rare last bit). The
+float8 casts saturate at +-448, as torch's clamps before its casts do. Block sizes and warps are
+constants: every process computes a value the same way, and a row's values do not depend on the
+batch's other rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import UserError
+from pipeline.kernels import fp8
+
+QK_BLOCK, V_BLOCK, WARPS = 16, 64, 4  # tokens per program of qk_kernel, per block of the values' kernels
+V_SPLITS = 64  # v_max_kernel's programs per (row, head) at most: each one atomic per dimension
+SETTING = f"inputs-t{QK_BLOCK}-v{V_BLOCK}-w{WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
+NORM_WEIGHTS = "qk_norm_weights"  # an attention module's buffer [4, D]: its norms' weights (`norm_weights`)
+
+
+def rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, heads: int,
+                      eps: float):
+    """The torch ops of diffusers' Flux attention before its SDPA call: per head the RMS norms, the text
+    and image tokens joined, the rotary embedding -> queries, keys, values [B, S, H, D]."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    def heads_of(t):
+        return t.unflatten(-1, (heads, -1))
+
+    dim = query.shape[-1] // heads
+    query, key = (F.rms_norm(heads_of(t), (dim,), w, eps)
+                  for t, w in ((query, norm_weights[0]), (key, norm_weights[1])))
+    value = heads_of(value)
+    if text_query is not None:
+        text_q, text_k = (F.rms_norm(heads_of(t), (dim,), w, eps)
+                          for t, w in ((text_query, norm_weights[2]), (text_key, norm_weights[3])))
+        query, key = torch.cat([text_q, query], dim=1), torch.cat([text_k, key], dim=1)
+        value = torch.cat([heads_of(text_value), value], dim=1)
+    query, key = (apply_rotary_emb(t, (cos, sin), sequence_dim=1) for t in (query, key))
+    return query, key, value
+
+
+def reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales,
+              heads: int, eps: float):
+    """The torch ops the float8 kernels replace (see the module's docstring) -> q8, k8 [B, S, H, D]
+    float8, v8t [B, H, D, S] float8, v_scale [B, H, D] float32."""
+    from pipeline.kernels.fp8_attention import quantize_values
+
+    query, key, value = rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos,
+                                          sin, heads, eps)
+    q8 = (query.float() / qk_scales[0]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    k8 = (key.float() / qk_scales[1]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    v8t, v_scale = quantize_values(value)
+    return q8, k8, v8t, v_scale
+
+
+@torch.library.custom_op("bcg::rotated_qk", mutates_args=())
+def rotated_qk_op(query: torch.Tensor, key: torch.Tensor, text_query: torch.Tensor | None,
+                  text_key: torch.Tensor | None, norm_weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projections as fp8_attention_inputs takes them -> the normalized, joined and rotated queries
+    and keys [B, S, H, D] in the projections' dtype (`rotated_reference`'s). An operator torch.compile
+    calls as it is."""
+    if query.device.type != "cuda":
+        q, k, _ = rotated_reference(query, key, key, text_query, text_key, text_key, norm_weights, cos, sin, heads,
+                                    eps)
+        return q, k
+    return rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, None, heads, eps)
+
+
+@rotated_qk_op.register_fake
+def _(query, key, text_query, text_key, norm_weights, cos, sin, heads, eps):
+    batch, tokens = query.shape[0], query.shape[1] + (0 if text_query is None else text_query.shape[1])
+    q = query.new_empty((batch, tokens, heads, query.shape[-1] // heads))
+    return q, torch.empty_like(q)
+
+
+def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
+    """[4, D] in the norms' dtype: the weights of the queries', keys', text queries' and text keys'
+    norms (a single block's text rows repeat the image's; a norm without a weight: ones)."""
+    ones = torch.ones_like(attn.norm_q.weight)  # Flux's norms have weights (so do the float8 scales' bounds)
+
+    def weight(norm, otherwise: torch.Tensor) -> torch.Tensor:
+        return otherwise if norm is None else ones if norm.weight is None else norm.weight.detach()
+
+    q, k = weight(attn.norm_q, ones), weight(attn.norm_k, ones)
+    return torch.stack([q, k, weight(getattr(attn, "norm_added_q", None), q),
+                        weight(getattr(attn, "norm_added_k", None), k)])
+
+
+def flux_attentions(transformer: torch.nn.Module, setting: str) -> list[torch.nn.Module]:
+    """The transformer's Flux attention modules, every one with RMS-normalized queries and keys (the
+    norms these kernels compute), each given its `NORM_WEIGHTS` buffer; else refused, naming `setting`."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    modules = [m for m in transformer.modules() if isinstance(m, FluxAttention)]
+    if not modules or not all(isinstance(m.norm_q, torch.nn.RMSNorm) and isinstance(m.norm_k, torch.nn.RMSNorm)
+                              and m.norm_q.weight is not None for m in modules):
+        raise UserError(f"kernels.{setting}=true: this transformer has no Flux attention with RMS-normalized queries "
+                        f"and keys (weighted norms); set kernels.{setting}=false")
+    for module in modules:
+        module.register_buffer(NORM_WEIGHTS, norm_weights(module))
+    return modules
+
+
+def projections(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb) -> tuple:
+    """diffusers' FluxAttnProcessor (0.42) up to its norms -> (query, key, value, text_query, text_key,
+    text_value (None in a single block), norm eps); a mask or a missing rotary embedding is refused."""
+    from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+    if attention_mask is not None or image_rotary_emb is None:
+        raise NotImplementedError("Flux's attention kernels take no mask, and a rotary embedding")
+    query, key, value, text_query, text_key, text_value = _get_qkv_projections(attn, hidden_states,
+                                                                               encoder_hidden_states)
+    if attn.added_kv_proj_dim is None:
+        text_query = text_key = text_value = None
+    eps = attn.norm_q.eps if attn.norm_q.eps is not None else torch.finfo(query.dtype).eps
+    return query, key, value, text_query, text_key, text_value, eps
+
+
+def out_projections(attn, hidden_states: torch.Tensor, encoder_hidden_states):
+    """diffusers' FluxAttnProcessor (0.42) after its attention call, on [B, S, H*D]: a single block's
+    output as it is; a double block's image and text parts through their out-projections."""
+    if encoder_hidden_states is None:
+        return hidden_states
+    text, image = hidden_states.split_with_sizes(
+        [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+    image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+    return image, attn.to_add_out(text.contiguous())
+
+
+@torch.library.custom_op("bcg::fp8_attention_inputs", mutates_args=())
+def fp8_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         text_query: torch.Tensor | None, text_key: torch.Tensor | None,
+                         text_value: torch.Tensor | None, norm_weights: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, qk_scales: torch.Tensor, heads: int,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The image's (or a single block's) projections [B, S_i, H*D], a double block's text projections
+    [B, S_t, H*D] (else None), the norms' weights [4, D] (queries, keys, text queries, text keys), the
+    rotary embedding's cos and sin [S_t + S_i, D] -> q8, k8, v8t, v_scale (`reference`). An operator
+    torch.compile calls as it is."""
+    if query.device.type != "cuda":
+        return reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales,
+                         heads, eps)
+    return _triton(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales, heads, eps)
+
+
+@fp8_attention_inputs.register_fake
+def _(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales, heads, eps):
+    batch, tokens = query.shape[0], query.shape[1] + (0 if text_query is None else text_query.shape[1])
+    dim = query.shape[-1] // heads
+    q8 = query.new_empty((batch, tokens, heads, dim), dtype=fp8.FP8)
+    return (q8, torch.empty_like(q8), query.new_empty((batch, heads, dim, tokens), dtype=fp8.FP8),
+            query.new_empty((batch, heads, dim), dtype=torch.float32))
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def load_tokens(IMG, TXT, img_b, img_s, txt_b, txt_s, b, toks, ok, cols, S_TXT, TEXT: tl.constexpr):
+        """[tokens, cols] of the joined tokens: the text's first (with TEXT), then the image's; 0 past the end."""
+        if TEXT:
+            is_txt = toks < S_TXT
+            x = tl.load(IMG + b * img_b + (toks - S_TXT)[:, None] * img_s + cols[None, :],
+                        mask=(ok & ~is_txt)[:, None], other=0.0)
+            x += tl.load(TXT + b * txt_b + toks[:, None] * txt_s + cols[None, :], mask=(ok & is_txt)[:, None],
+                         other=0.0)
+        else:
+            x = tl.load(IMG + b * img_b + toks[:, None] * img_s + cols[None, :], mask=ok[:, None], other=0.0)
+        return x
+
+    @triton.jit
+    def norm_weight(W, toks, dims, S_TXT, D: tl.constexpr, TEXT: tl.constexpr):
+        """The norm's weight of each token [tokens, D]: row 0 of W (the image's), the text's rows row + 2."""
+        w = tl.load(W + dims).to(tl.float32)[None, :]
+        if TEXT:
+            w = tl.where((toks < S_TXT)[:, None], tl.load(W + 2 * D + dims).to(tl.float32)[None, :], w)
+        return w
+
+    @triton.jit
+    def pairs(x, BLOCK: tl.constexpr, D: tl.constexpr):
+        """[tokens, D] -> its even and its odd dimensions, [tokens, D / 2] each."""
+        return tl.split(tl.reshape(x, [BLOCK, D // 2, 2]))
+
+    @triton.jit
+    def normed_rotated(IMG, TXT, W, img_b, img_s, txt_b, txt_s, b, h, toks, ok, dims, cos, sin, S_TXT, eps,
+                       D: tl.constexpr, BLOCK: tl.constexpr, TEXT: tl.constexpr):
+        """Queries or keys of one head: the RMS norm times its weight (fp32, rounded to the dtype), then the
+        rotation x cos + rotated(x) sin, rotated(x) = (-x[1], x[0], -x[3], x[2], ...) (fp32, rounded),
+        as fp32 [tokens, D]."""
+        x = load_tokens(IMG, TXT, img_b, img_s, txt_b, txt_s, b, toks, ok, h * D + dims, S_TXT, TEXT)
+        dtype = x.dtype
+        x = x.to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        even, odd = pairs((x * r * norm_weight(W, toks, dims, S_TXT, D, TEXT)).to(dtype).to(tl.float32), BLOCK, D)
+        cos_even, cos_odd = pairs(cos, BLOCK, D)
+        sin_even, sin_odd = pairs(sin, BLOCK, D)
+        out = tl.join(even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd)
+        return tl.reshape(out, [BLOCK, D]).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def qk_kernel(Q, K, TQ, TK, W, COS, SIN, SCALES, Q8, K8, q_b, q_s, k_b, k_s, tq_b, tq_s, tk_b, tk_s,
+                  S_TXT, S, H, eps, D: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, TEXT: tl.constexpr,
+                  QUANT: tl.constexpr):
+        """QUANT: float8 outputs, divided by SCALES; else the rotated values in the projections' dtype."""
+        b = tl.program_id(2).to(tl.int64)
+        toks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = toks < S
+        dims = tl.arange(0, D)
+        q_inverse, k_inverse = 1.0, 1.0
+        if QUANT:
+            q_inverse, k_inverse = tl.math.div_rn(1.0, tl.load(SCALES)), tl.math.div_rn(1.0, tl.load(SCALES + 1))
+        cos = tl.load(COS + toks[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)  # once for HEADS heads
+        sin = tl.load(SIN + toks[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
+        for i in tl.range(HEADS):
+            h = tl.program_id(1) * HEADS + i
+            out = (b * S + toks)[:, None] * (H * D) + h * D + dims[None, :]  # [B, S, H, D]
+            q = normed_rotated(Q, TQ, W, q_b, q_s, tq_b, tq_s, b, h, toks, ok, dims, cos, sin, S_TXT, eps,
+                               D, BLOCK, TEXT)
+            if QUANT:
+                q = q * q_inverse
+            tl.store(Q8 + out, q.to(Q8.dtype.element_ty), mask=ok[:, None])
+            k = normed_rotated(K, TK, W + D, k_b, k_s, tk_b, tk_s, b, h, toks, ok, dims, cos, sin, S_TXT, eps,
+                               D, BLOCK, TEXT)
+            if QUANT:
+                k = k * k_inverse
+            tl.store(K8 + out, k.to(K8.dtype.element_ty), mask=ok[:, None])
+
+    @triton.jit
+    def v_max_kernel(V, TV, VMAX, v_b, v_s, tv_b, tv_s, S_TXT, S, H, PER, D: tl.constexpr, BLOCK: tl.constexpr,
+                     TEXT: tl.constexpr):
+        """The values' absolute maximum per dimension over PER tokens, raised into VMAX (one atomic per program)."""
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        dims = tl.arange(0, D)
+        v_max = tl.zeros([D], tl.float32)
+        for start in tl.range(tl.program_id(1) * PER, tl.minimum((tl.program_id(1) + 1) * PER, S), BLOCK):
+            toks = start + tl.arange(0, BLOCK)
+            v = load_tokens(V, TV, v_b, v_s, tv_b, tv_s, b, toks, toks < S, h * D + dims, S_TXT, TEXT)
+            v_max = tl.maximum(v_max, tl.max(tl.abs(v.to(tl.float32)), 0))
+        tl.atomic_max(VMAX + bh * D + dims, v_max)
+
+    @triton.jit
+    def v_kernel(V, TV, VMAX, V8T, VS, v_b, v_s, tv_b, tv_s, S_TXT, S, H, inverse_max, min_amax,
+                 D: tl.constexpr, BLOCK: tl.constexpr, TEXT: tl.constexpr):
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        toks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = toks < S
+        dims = tl.arange(0, D)
+        # times the float32 1 / 448, as torch divides a tensor by a number on the GPU
+        scale = tl.maximum(tl.load(VMAX + bh * D + dims), min_amax) * inverse_max
+        v = load_tokens(V, TV, v_b, v_s, tv_b, tv_s, b, toks, ok, h * D + dims, S_TXT, TEXT).to(tl.float32)
+        v8 = tl.math.div_rn(v, scale[None, :]).to(V8T.dtype.element_ty)  # the cast saturates at +-448
+        tl.store(V8T + (bh.to(tl.int64) * D + dims[None, :]) * S + toks[:, None], v8, mask=ok[:, None])
+        if tl.program_id(0) == 0:
+            tl.store(VS + bh * D + dims, scale)
+
+    return qk_kernel, v_max_kernel, v_kernel
+
+
+def rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scales, heads: int, eps: float):
+    """qk_kernel on the GPU (or the Triton interpreter) -> the joined queries and keys [B, S, H, D]: float8
+    divided by `qk_scales`, or with `qk_scales` None in the projections' dtype."""
+    text = text_query is not None
+    batch, image_tokens, width = query.shape
+    text_tokens = text_query.shape[1] if text else 0
+    tokens, dim = image_tokens + text_tokens, width // heads
+    if cos.shape != (tokens, dim) or sin.shape != (tokens, dim):
+        raise ValueError(f"attention_inputs: the rotary embedding's cos and sin must be [{tokens}, {dim}], "
+                         f"got {list(cos.shape)} and {list(sin.shape)}")
+    for t in (query, key, *((text_query, text_key) if text else ())):
+        if t.stride(-1) != 1:
+            raise ValueError("attention_inputs: the projections' last dimension must be contiguous")
+    text_query, text_key = (text_query, text_key) if text else (query, key)
+    cos, sin = (t.to(torch.float32).contiguous() for t in (cos, sin))
+    q = torch.empty((batch, tokens, heads, dim), device=query.device,
+                    dtype=query.dtype if qk_scales is None else fp8.FP8)
+    k = torch.empty_like(q)
+    heads_per_program = next(n for n in (4, 3, 2, 1) if heads % n == 0)
+    with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
+        _kernels()[0][(-(-tokens // QK_BLOCK), heads // heads_per_program, batch)](
+            query, key, text_query, text_key, norm_weights, cos, sin,
+            norm_weights if qk_scales is None else qk_scales, q, k,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            text_query.stride(0), text_query.stride(1), text_key.stride(0), text_key.stride(1), text_tokens, tokens,
+            heads, eps, D=dim, BLOCK=QK_BLOCK, HEADS=heads_per_program, TEXT=text, QUANT=qk_scales is not None,
+            num_warps=WARPS)
+    return q, k
+
+
+def _triton(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales, heads: int,
+            eps: float):
+    q8, k8 = rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scales, heads, eps)
+    batch, tokens, _, dim = q8.shape
+    text_tokens = tokens - query.shape[1]
+    if value.stride(-1) != 1 or (text_value is not None and text_value.stride(-1) != 1):
+        raise ValueError("attention_inputs: the projections' last dimension must be contiguous")
+    text_value = value if text_value is None else text_value
+    v8t = torch.empty((batch, heads, dim, tokens), device=query.device, dtype=fp8.FP8)
+    v_max = torch.zeros((batch, heads, dim), device=query.device, dtype=torch.float32)
+    v_scale = torch.empty_like(v_max)
+    _, v_max_kernel, v_kernel = _kernels()
+    per = -(-tokens // V_SPLITS // V_BLOCK) * V_BLOCK  # tokens per v_max_kernel program, whole blocks
+    v_strides = (value.stride(0), value.stride(1), text_value.stride(0), text_value.stride(1))
+    with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
+        v_max_kernel[(batch * heads, -(-tokens // per))](
+            value, text_value, v_max, *v_strides, text_tokens, tokens, heads, per, D=dim, BLOCK=V_BLOCK,
+            TEXT=text_tokens > 0, num_warps=WARPS)
+        v_kernel[(-(-tokens // V_BLOCK), batch * heads)](
+            value, text_value, v_max, v8t, v_scale, *v_strides, text_tokens, tokens, heads, 1.0 / fp8.FP8_MAX,
+            fp8.MIN_AMAX, D=dim, BLOCK=V_BLOCK, TEXT=text_tokens > 0, num_warps=WARPS)
+    return q8, k8, v8t, v_scale
