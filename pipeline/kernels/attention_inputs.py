@@ -4,17 +4,18 @@ rotated, straight from the projections' outputs, by one Triton kernel, in the mo
 transposed too (kernels.fp8_attention: `fp8_attention_inputs` op, three kernels); and what both
 settings' attention processors share (`projections`, `out_projections`, the norms' weights).
 
-What the float8 kernels replace (`reference`, which the CPU runs): each head's RMS norm of the queries and keys
-(the text's norms for a double block's text tokens), the text and image tokens joined, diffusers'
-rotary embedding, and the float8 quantization of pipeline/kernels/fp8_attention.py: the queries and
-keys divided by the module's fixed scales, the values by one scale per (row, head, dimension) from
-their absolute maximum over the tokens, stored [B, H, D, S]. Compiled, those ops are several
-inductor kernels that read the projections more than once and copy the joined tokens; here:
+What the kernels replace (`rotated_reference` and `reference`, which the CPU runs): each head's RMS
+norm of the queries and keys (the text's norms for a double block's text tokens), the text and image
+tokens joined, diffusers' rotary embedding, and for float8 the quantization of
+pipeline/kernels/fp8_attention.py: the queries and keys divided by the module's fixed scales, the
+values by one scale per (row, head, dimension) from their absolute maximum over the tokens, stored
+[B, H, D, S]. Compiled, those ops are several inductor kernels that read the projections more than
+once and copy the joined tokens; here:
 
 - `qk_kernel`, per block of tokens and a few heads: reads the queries and keys where the projections
   wrote them (text or image), normalizes and rotates them, rounding to the model's dtype where the
-  model does (after the norm's weight, after the rotation), and writes them as float8; the rotary
-  embedding's cos and sin are read once for those heads;
+  model does (after the norm's weight, after the rotation), and writes them, as float8 or in the
+  model's dtype; the rotary embedding's cos and sin are read once for those heads;
 - `v_max_kernel`, per (row, head) and a share of the tokens: the values' absolute maximum per
   dimension, raised into one buffer (`atomic_max`: a maximum does not depend on the order);
 - `v_kernel`, once every maximum is known: reads the values again, scales them and writes them
@@ -47,7 +48,8 @@ NORM_WEIGHTS = "qk_norm_weights"  # an attention module's buffer [4, D]: its nor
 def rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, heads: int,
                       eps: float):
     """The torch ops of diffusers' Flux attention before its SDPA call: per head the RMS norms, the text
-    and image tokens joined, the rotary embedding -> queries, keys, values [B, S, H, D]."""
+    and image tokens joined, the rotary embedding -> queries, keys, values [B, S, H, D] (values None:
+    None)."""
     from diffusers.models.embeddings import apply_rotary_emb
 
     def heads_of(t):
@@ -56,12 +58,12 @@ def rotated_reference(query, key, value, text_query, text_key, text_value, norm_
     dim = query.shape[-1] // heads
     query, key = (F.rms_norm(heads_of(t), (dim,), w, eps)
                   for t, w in ((query, norm_weights[0]), (key, norm_weights[1])))
-    value = heads_of(value)
+    value = None if value is None else heads_of(value)
     if text_query is not None:
         text_q, text_k = (F.rms_norm(heads_of(t), (dim,), w, eps)
                           for t, w in ((text_query, norm_weights[2]), (text_key, norm_weights[3])))
         query, key = torch.cat([text_q, query], dim=1), torch.cat([text_k, key], dim=1)
-        value = torch.cat([heads_of(text_value), value], dim=1)
+        value = None if value is None else torch.cat([heads_of(text_value), value], dim=1)
     query, key = (apply_rotary_emb(t, (cos, sin), sequence_dim=1) for t in (query, key))
     return query, key, value
 
@@ -88,8 +90,7 @@ def rotated_qk_op(query: torch.Tensor, key: torch.Tensor, text_query: torch.Tens
     and keys [B, S, H, D] in the projections' dtype (`rotated_reference`'s). An operator torch.compile
     calls as it is."""
     if query.device.type != "cuda":
-        q, k, _ = rotated_reference(query, key, key, text_query, text_key, text_key, norm_weights, cos, sin, heads,
-                                    eps)
+        q, k, _ = rotated_reference(query, key, None, text_query, text_key, None, norm_weights, cos, sin, heads, eps)
         return q, k
     return rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, None, heads, eps)
 
@@ -200,7 +201,8 @@ def _kernels():
 
     @triton.jit
     def norm_weight(W, toks, dims, S_TXT, D: tl.constexpr, TEXT: tl.constexpr):
-        """The norm's weight of each token [tokens, D]: row 0 of W (the image's), the text's rows row + 2."""
+        """The norm's weight for each token [tokens, D]: W's row (the image's norm), or for text tokens the
+        row two below it (the text's norm of the same queries or keys)."""
         w = tl.load(W + dims).to(tl.float32)[None, :]
         if TEXT:
             w = tl.where((toks < S_TXT)[:, None], tl.load(W + 2 * D + dims).to(tl.float32)[None, :], w)
