@@ -82,28 +82,19 @@ def from_projections(batch: int, text: int, image: int, device: torch.device, it
     args = (q, k, v, tq, tk, tv, weights, cos, sin, scales, HEADS, 1e-6)
     scale = 1 / math.sqrt(DIM)
 
-    def bf16_inputs(q, k, v, tq, tk, tv, weights, cos, sin):
-        from diffusers.models.embeddings import apply_rotary_emb
-
-        def normed(t, w):
-            return F.rms_norm(t.unflatten(-1, (HEADS, DIM)), (DIM,), w, 1e-6)
-
-        qs, ks, vs = [normed(q, weights[0])], [normed(k, weights[1])], [v.unflatten(-1, (HEADS, DIM))]
-        if tq is not None:
-            qs, ks = [normed(tq, weights[2]), *qs], [normed(tk, weights[3]), *ks]
-            vs = [tv.unflatten(-1, (HEADS, DIM)), *vs]
-        joined = [torch.cat(t, dim=1) if len(t) > 1 else t[0] for t in (qs, ks, vs)]
-        return (*(apply_rotary_emb(t, (cos, sin), sequence_dim=1) for t in joined[:2]), joined[2])
+    def bf16_inputs(*a):  # diffusers' ops before its SDPA call
+        return fia.rotated_reference(*a, HEADS, 1e-6)
 
     ref = under(SDPBackend.CUDNN_ATTENTION, sdpa)(*bf16_inputs(*args[:9]))
     bf16 = torch.compile(lambda *a: under(SDPBackend.CUDNN_ATTENTION, sdpa)(*bf16_inputs(*a)), dynamic=False)
     inputs_compiled = torch.compile(fia.reference, dynamic=False)
     fp8_compiled = torch.compile(lambda *a: torch.ops.bcg.fp8_attention(*_ordered(fia.reference(*a), scales), scale),
                                  dynamic=False)
+
     def bf16_kernel():
         q_rot, k_rot = fia.rotated_qk(q, k, tq, tk, weights, cos, sin, None, HEADS, 1e-6)
-        values = v.unflatten(-1, (HEADS, DIM)) if tv is None else torch.cat([tv, v], dim=1).unflatten(-1, (HEADS, DIM))
-        return under(SDPBackend.CUDNN_ATTENTION, sdpa)(q_rot, k_rot, values)
+        values = v if tv is None else torch.cat([tv, v], dim=1)
+        return under(SDPBackend.CUDNN_ATTENTION, sdpa)(q_rot, k_rot, values.unflatten(-1, (HEADS, DIM)))
 
     candidates = {"compiled norms, rotation + cudnn bf16": lambda: bf16(*args[:9]),
                   "qk kernel (bf16) + cudnn bf16": bf16_kernel,

@@ -115,9 +115,10 @@ def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
                         weight(getattr(attn, "norm_added_k", None), k)])
 
 
-def flux_attentions(transformer: torch.nn.Module, setting: str) -> list[torch.nn.Module]:
+def flux_attentions(transformer: torch.nn.Module, setting: str, device: torch.device) -> list[torch.nn.Module]:
     """The transformer's Flux attention modules, every one with RMS-normalized queries and keys (the
-    norms these kernels compute), each given its `NORM_WEIGHTS` buffer; else refused, naming `setting`."""
+    norms these kernels compute) and, on CUDA, heads whose width is a power of two (the kernels' blocks),
+    each given its `NORM_WEIGHTS` buffer; else refused, naming `setting`."""
     from diffusers.models.transformers.transformer_flux import FluxAttention
 
     modules = [m for m in transformer.modules() if isinstance(m, FluxAttention)]
@@ -125,6 +126,10 @@ def flux_attentions(transformer: torch.nn.Module, setting: str) -> list[torch.nn
                               and m.norm_q.weight is not None for m in modules):
         raise UserError(f"kernels.{setting}=true: this transformer has no Flux attention with RMS-normalized queries "
                         f"and keys (weighted norms); set kernels.{setting}=false")
+    dim = modules[0].head_dim
+    if torch.device(device).type == "cuda" and dim & (dim - 1):
+        raise UserError(f"kernels.{setting}=true: the kernels take heads whose width is a power of two, this "
+                        f"model's are {dim} wide; set kernels.{setting}=false")
     for module in modules:
         module.register_buffer(NORM_WEIGHTS, norm_weights(module))
     return modules
@@ -132,7 +137,8 @@ def flux_attentions(transformer: torch.nn.Module, setting: str) -> list[torch.nn
 
 def projections(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb) -> tuple:
     """diffusers' FluxAttnProcessor (0.42) up to its norms -> (query, key, value, text_query, text_key,
-    text_value (None in a single block), norm eps); a mask or a missing rotary embedding is refused."""
+    text_value (None in a single block), heads, norm eps); a mask or a missing rotary embedding is
+    refused."""
     from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
     if attention_mask is not None or image_rotary_emb is None:
@@ -142,7 +148,7 @@ def projections(attn, hidden_states, encoder_hidden_states, attention_mask, imag
     if attn.added_kv_proj_dim is None:
         text_query = text_key = text_value = None
     eps = attn.norm_q.eps if attn.norm_q.eps is not None else torch.finfo(query.dtype).eps
-    return query, key, value, text_query, text_key, text_value, eps
+    return query, key, value, text_query, text_key, text_value, query.shape[-1] // attn.head_dim, eps
 
 
 def out_projections(attn, hidden_states: torch.Tensor, encoder_hidden_states):
@@ -302,9 +308,7 @@ def rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scal
     if cos.shape != (tokens, dim) or sin.shape != (tokens, dim):
         raise ValueError(f"attention_inputs: the rotary embedding's cos and sin must be [{tokens}, {dim}], "
                          f"got {list(cos.shape)} and {list(sin.shape)}")
-    for t in (query, key, *((text_query, text_key) if text else ())):
-        if t.stride(-1) != 1:
-            raise ValueError("attention_inputs: the projections' last dimension must be contiguous")
+    _check_rows(query, key, text_query, text_key)
     text_query, text_key = (text_query, text_key) if text else (query, key)
     cos, sin = (t.to(torch.float32).contiguous() for t in (cos, sin))
     q = torch.empty((batch, tokens, heads, dim), device=query.device,
@@ -327,8 +331,7 @@ def _triton(query, key, value, text_query, text_key, text_value, norm_weights, c
     q8, k8 = rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scales, heads, eps)
     batch, tokens, _, dim = q8.shape
     text_tokens = tokens - query.shape[1]
-    if value.stride(-1) != 1 or (text_value is not None and text_value.stride(-1) != 1):
-        raise ValueError("attention_inputs: the projections' last dimension must be contiguous")
+    _check_rows(value, text_value)
     text_value = value if text_value is None else text_value
     v8t = torch.empty((batch, heads, dim, tokens), device=query.device, dtype=fp8.FP8)
     v_max = torch.zeros((batch, heads, dim), device=query.device, dtype=torch.float32)
@@ -344,3 +347,9 @@ def _triton(query, key, value, text_query, text_key, text_value, norm_weights, c
             value, text_value, v_max, v8t, v_scale, *v_strides, text_tokens, tokens, heads, 1.0 / fp8.FP8_MAX,
             fp8.MIN_AMAX, D=dim, BLOCK=V_BLOCK, TEXT=text_tokens > 0, num_warps=WARPS)
     return q8, k8, v8t, v_scale
+
+
+def _check_rows(*projections) -> None:
+    """The kernels read each token's row of a projection as one contiguous run (None: absent)."""
+    if any(t is not None and t.stride(-1) != 1 for t in projections):
+        raise ValueError("attention_inputs: the projections' last dimension must be contiguous")

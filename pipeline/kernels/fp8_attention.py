@@ -65,7 +65,7 @@ def use_fp8_attention(transformer: torch.nn.Module, device: torch.device) -> int
     """Fp8FluxAttnProcessor on every Flux attention module whose queries and keys are RMS-normalized,
     with its scales and norms' weights (this instance only) -> modules changed (none, or heads the
     kernel cannot take on CUDA: refused; the CPU's reference takes any)."""
-    modules = attention_inputs.flux_attentions(transformer, "fp8_attention")
+    modules = attention_inputs.flux_attentions(transformer, "fp8_attention", device)
     if torch.device(device).type == "cuda" and modules[0].head_dim not in HEAD_DIMS:
         raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(HEAD_DIMS)} dimensions, this "
                         f"model's have {modules[0].head_dim}; set kernels.fp8_attention=false")
@@ -137,12 +137,11 @@ class Fp8FluxAttnProcessor:
     quantization in three kernels (pipeline/kernels/attention_inputs.py), then the attention's."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        *inputs, eps = attention_inputs.projections(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                                    image_rotary_emb)
+        *inputs, heads, eps = attention_inputs.projections(attn, hidden_states, encoder_hidden_states,
+                                                           attention_mask, image_rotary_emb)
         scales = getattr(attn, QK_SCALES)
         q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(
-            *inputs, getattr(attn, attention_inputs.NORM_WEIGHTS), *image_rotary_emb, scales,
-            inputs[0].shape[-1] // attn.head_dim, eps)
+            *inputs, getattr(attn, attention_inputs.NORM_WEIGHTS), *image_rotary_emb, scales, heads, eps)
         out = torch.ops.bcg.fp8_attention(q8, k8, v8t, scales, v_scale, 1.0 / math.sqrt(attn.head_dim))
         count_call(FP8_ATTENTION_OP)
         return attention_inputs.out_projections(attn, out.to(inputs[0].dtype).flatten(2, 3), encoder_hidden_states)

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import KernelsConfig
-from pipeline.errors import UserError
 from pipeline.kernels import attention_inputs, norm
 from pipeline.models.base import Adapter
 
@@ -42,11 +41,7 @@ def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
     if kernels.fp8_attention:
         log.info("kernels.fuse_qk_norm: kernels.fp8_attention's processor runs the same kernel (float8 outputs)")
         return {}
-    modules = attention_inputs.flux_attentions(adapter.transformer, "fuse_qk_norm")
-    dim = modules[0].head_dim
-    if adapter.device.type == "cuda" and dim & (dim - 1):
-        raise UserError(f"kernels.fuse_qk_norm=true: the kernel takes heads whose width is a power of two, this "
-                        f"model's are {dim} wide; set kernels.fuse_qk_norm=false")
+    modules = attention_inputs.flux_attentions(adapter.transformer, "fuse_qk_norm", adapter.device)
     processor = FusedNormFluxAttnProcessor()
     for module in modules:
         module.set_processor(processor)
@@ -60,9 +55,8 @@ class FusedNormFluxAttnProcessor:
     queries and keys in one op (`rotated_qk`); the same projections, SDPA call and out-projections."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        query, key, value, text_query, text_key, text_value, eps = attention_inputs.projections(
+        query, key, value, text_query, text_key, text_value, heads, eps = attention_inputs.projections(
             attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        heads = query.shape[-1] // attn.head_dim
         query, key = torch.ops.bcg.rotated_qk(query, key, text_query, text_key,
                                               getattr(attn, attention_inputs.NORM_WEIGHTS), *image_rotary_emb,
                                               heads, eps)
