@@ -129,7 +129,7 @@ class KernelsConfig:
     # each row once (the float8 matmul has no GELU epilogue).
     fuse_gelu: bool = False
     # Flux: the attention's two matmuls in float8 (a Triton flash-attention kernel; queries and keys
-    # scaled by the bound their RMS norms set, values per dimension; CUDA sm89+). Images differ.
+    # scaled by the bound their RMS norms set, values per block of 128 tokens; CUDA sm89+). Images differ.
     fp8_attention: bool = False
     # Flux: the attention's per-head RMS norms of queries and keys, the join of text and image tokens
     # and the rotary embedding in one Triton kernel that reads the projections where they lie (CUDA;

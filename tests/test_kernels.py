@@ -737,6 +737,33 @@ def test_fp8_attention_runs_every_flux_attention_on_float8_inputs_close_to_diffu
     assert rel_err(compiled, out) < 1e-4
 
 
+def test_fp8_attention_hands_its_float8_out_projections_float8_rows(monkeypatch):
+    """kernels.fp8_attention with kernels.fp8 and kernels.split_out_proj on the tiny Flux: every attention
+    module (both block kinds) writes its output as float8 rows that its float8 out-projections multiply
+    as they are (no bf16 output that they read again to quantize); the step is the one whose float8
+    layers quantize the bf16 output themselves, up to the rounding of a different scale."""
+    import pipeline.kernels.fp8 as fp8
+    from pipeline.kernels import fp8_attention
+
+    monkeypatch.setattr(fp8, "check_fp8", lambda device, what=None: None)  # float8 needs sm89+: stand in for it
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+    t = flux.transformer
+    x = random_inputs(flux)
+    report = apply_kernels(KernelsConfig(fp8=True, fp8_attention=True, split_out_proj=True), flux, None, shapes=1)
+    modules = len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert report["fp8_attention_modules"] == report["fp8_attention_rows_out"] == modules
+    flagged = [m for m in t.modules() if getattr(m, fp8_attention.ROWS_OUT, False)]
+    with torch.no_grad():
+        rows = flux.guided_eps(x)
+        for module in flagged:
+            setattr(module, fp8_attention.ROWS_OUT, False)
+        quantized_by_the_layers = flux.guided_eps(x)
+    assert 0 < rel_err(rows, quantized_by_the_layers) < 0.05
+    report = apply_kernels(KernelsConfig(fp8=True, fp8_attention=True),
+                           build_model(wide_heads_flux(), torch.device("cpu"), torch.float32), None, shapes=1)
+    assert report["fp8_attention_rows_out"] == len(t.transformer_blocks)  # diffusers' single block joins its output
+
+
 def test_fused_qk_norm_runs_every_flux_attention_through_its_op_as_diffusers_computes_it():
     """kernels.fuse_qk_norm on the tiny Flux: every attention module (both block kinds) normalizes and
     rotates its queries and keys through the one op (on the CPU diffusers' own ops: the step is

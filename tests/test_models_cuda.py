@@ -250,7 +250,8 @@ def test_persistent_reductions_read_a_wide_layer_norm_in_one_pass_and_compute_it
 def test_fp8_attention_kernel_computes_what_its_reference_does(batch, tokens):
     """The Triton float8 attention against the same quantized inputs through float32 attention
     (fp8_attention.reference): the probabilities' float8 rounding only; a token count that is not a
-    multiple of the block (masked keys) too; close to bf16 SDPA on the unquantized inputs."""
+    multiple of the block (masked keys) too; close to bf16 SDPA on the unquantized inputs; as float8 rows
+    (fp8_attention_rows), the reference's scales and the bf16 output up to float8 rounding."""
     from pipeline.kernels import fp8_attention as fa
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -266,6 +267,14 @@ def test_fp8_attention_kernel_computes_what_its_reference_does(batch, tokens):
     assert rel_err(out, ref) < 0.05
     exact = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
     assert rel_err(fa.fp8_sdpa(q, k, v, scales), exact) < 0.08
+    for text in (0, 77):  # float8 rows for float8 out-projections: text rows, then image rows
+        rows = torch.ops.bcg.fp8_attention_rows(q8, k8, v8t, scales, v_scale, 128 ** -0.5, text)
+        want = fa.rows_reference(q8, k8, v8t, scales, v_scale, 128 ** -0.5, text)
+        assert [(t.shape, t.dtype) for t in rows] == [(t.shape, t.dtype) for t in want]
+        assert torch.equal(rows[1], want[1]) and torch.equal(rows[3], want[3])
+        dequantized = torch.cat([(x8.flatten(0, 1).float() * scale).view(batch, -1, 24 * 128)
+                                 for x8, scale in (rows[:2], rows[2:])], dim=1)
+        assert rel_err(dequantized, out.flatten(2)) < 0.04
 
 
 @needs_fp8

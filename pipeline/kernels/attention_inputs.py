@@ -1,28 +1,28 @@
 """Flux's attention inputs: its queries and keys RMS-normalized, joined (text, then image tokens) and
 rotated, straight from the projections' outputs, by one Triton kernel, in the model's dtype
 (kernels.fuse_qk_norm: `rotated_qk` op) or quantized to float8 with the values quantized and
-transposed too (kernels.fp8_attention: `fp8_attention_inputs` op, three kernels); and what both
+transposed too (kernels.fp8_attention: `fp8_attention_inputs` op, two kernels); and what both
 settings' attention processors share (`projections`, `out_projections`, the norms' weights).
 
 What the kernels replace (`rotated_reference` and `reference`, which the CPU runs): each head's RMS
 norm of the queries and keys (the text's norms for a double block's text tokens), the text and image
 tokens joined, diffusers' rotary embedding, and for float8 the quantization of
 pipeline/kernels/fp8_attention.py: the queries and keys divided by the module's fixed scales, the
-values by one scale per (row, head, dimension) from their absolute maximum over the tokens, stored
-[B, H, D, S]. Compiled, those ops are several inductor kernels that read the projections more than
-once and copy the joined tokens; here:
+values by one scale per (row, head, block of `V_BLOCK` tokens) from their absolute maximum there,
+stored [B, H, D, S]. Compiled, those ops are several inductor kernels that read the projections more
+than once and copy the joined tokens; here two:
 
 - `qk_kernel`, per block of tokens and a few heads: reads the queries and keys where the projections
   wrote them (text or image), normalizes and rotates them, rounding to the model's dtype where the
   model does (after the norm's weight, after the rotation), and writes them, as float8 or in the
   model's dtype; the rotary embedding's cos and sin are read once for those heads;
-- `v_max_kernel`, per (row, head) and a share of the tokens: the values' absolute maximum per
-  dimension, raised into one buffer (`atomic_max`: a maximum does not depend on the order);
-- `v_kernel`, once every maximum is known: reads the values again, scales them and writes them
-  transposed (tokens contiguous), and the scales.
+- `v_kernel`, per block of `V_BLOCK` tokens of one (row, head): reads the values once, takes their
+  absolute maximum, writes the block's scale and the values divided by it, transposed (tokens
+  contiguous). A block's scale needs no other block's values: one pass, no second kernel.
 
-The values' scales and divisions round as torch's do on the GPU (the same bytes); the queries and
-keys are multiplied by their scales' inverse (a division's result but for a rare last bit). The
+The values' scales round as torch's do on the GPU (the same bytes); the queries and keys are
+multiplied by their scales' inverse (a division's result but for a rare last bit), and so are the
+values (as `reference` computes them: the same bytes). The
 float8 casts saturate at +-448, as torch's clamps before its casts do. Block sizes and warps are
 constants: every process computes a value the same way, and a row's values do not depend on the
 batch's other rows.
@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from pipeline.errors import UserError
 from pipeline.kernels import fp8
 
-QK_BLOCK, V_BLOCK, WARPS = 16, 64, 4  # tokens per program of qk_kernel, per block of the values' kernels
-V_SPLITS = 64  # v_max_kernel's programs per (row, head) at most: each one atomic per dimension
-SETTING = f"inputs-t{QK_BLOCK}-v{V_BLOCK}-w{WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
+QK_BLOCK, WARPS = 16, 4  # qk_kernel's tokens per program and warps
+# tokens per value scale: v_kernel's block, a multiple of the attention kernel's key blocks
+V_BLOCK, V_WARPS = 128, 8
+SETTING = f"inputs-t{QK_BLOCK}-w{WARPS}-vb{V_BLOCK}-w{V_WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
 NORM_WEIGHTS = "qk_norm_weights"  # an attention module's buffer [4, D]: its norms' weights (`norm_weights`)
 
 
@@ -71,7 +72,7 @@ def rotated_reference(query, key, value, text_query, text_key, text_value, norm_
 def reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales,
               heads: int, eps: float):
     """The torch ops the float8 kernels replace (see the module's docstring) -> q8, k8 [B, S, H, D]
-    float8, v8t [B, H, D, S] float8, v_scale [B, H, D] float32."""
+    float8, v8t [B, H, D, S] float8, v_scale [B, H, blocks of V_BLOCK tokens] float32."""
     from pipeline.kernels.fp8_attention import quantize_values
 
     query, key, value = rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos,
@@ -170,7 +171,8 @@ def fp8_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The image's (or a single block's) projections [B, S_i, H*D], a double block's text projections
     [B, S_t, H*D] (else None), the norms' weights [4, D] (queries, keys, text queries, text keys), the
-    rotary embedding's cos and sin [S_t + S_i, D] -> q8, k8, v8t, v_scale (`reference`). An operator
+    rotary embedding's cos and sin [S_t + S_i, D] -> q8, k8, v8t, v_scale [B, H, blocks of V_BLOCK
+    tokens] (`reference`). An operator
     torch.compile calls as it is."""
     if query.device.type != "cuda":
         return reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, qk_scales,
@@ -184,7 +186,7 @@ def _(query, key, value, text_query, text_key, text_value, norm_weights, cos, si
     dim = query.shape[-1] // heads
     q8 = query.new_empty((batch, tokens, heads, dim), dtype=fp8.FP8)
     return (q8, torch.empty_like(q8), query.new_empty((batch, heads, dim, tokens), dtype=fp8.FP8),
-            query.new_empty((batch, heads, dim), dtype=torch.float32))
+            query.new_empty((batch, heads, -(-tokens // V_BLOCK)), dtype=torch.float32))
 
 
 @functools.cache
@@ -264,38 +266,24 @@ def _kernels():
             tl.store(K8 + out, k.to(K8.dtype.element_ty), mask=ok[:, None])
 
     @triton.jit
-    def v_max_kernel(V, TV, VMAX, v_b, v_s, tv_b, tv_s, S_TXT, S, H, PER, D: tl.constexpr, BLOCK: tl.constexpr,
-                     TEXT: tl.constexpr):
-        """The values' absolute maximum per dimension over PER tokens, raised into VMAX (one atomic per program)."""
-        bh = tl.program_id(0)
-        b = (bh // H).to(tl.int64)
-        h = bh % H
-        dims = tl.arange(0, D)
-        v_max = tl.zeros([D], tl.float32)
-        for start in tl.range(tl.program_id(1) * PER, tl.minimum((tl.program_id(1) + 1) * PER, S), BLOCK):
-            toks = start + tl.arange(0, BLOCK)
-            v = load_tokens(V, TV, v_b, v_s, tv_b, tv_s, b, toks, toks < S, h * D + dims, S_TXT, TEXT)
-            v_max = tl.maximum(v_max, tl.max(tl.abs(v.to(tl.float32)), 0))
-        tl.atomic_max(VMAX + bh * D + dims, v_max)
-
-    @triton.jit
-    def v_kernel(V, TV, VMAX, V8T, VS, v_b, v_s, tv_b, tv_s, S_TXT, S, H, inverse_max, min_amax,
+    def v_kernel(V, TV, V8T, VS, v_b, v_s, tv_b, tv_s, S_TXT, S, H, BLOCKS, inverse_max, min_amax,
                  D: tl.constexpr, BLOCK: tl.constexpr, TEXT: tl.constexpr):
+        """One block of tokens of one (row, head): the scale of its absolute maximum, the values divided by
+        it, written transposed."""
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = bh % H
         toks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = toks < S
         dims = tl.arange(0, D)
-        # times the float32 1 / 448, as torch divides a tensor by a number on the GPU
-        scale = tl.maximum(tl.load(VMAX + bh * D + dims), min_amax) * inverse_max
         v = load_tokens(V, TV, v_b, v_s, tv_b, tv_s, b, toks, ok, h * D + dims, S_TXT, TEXT).to(tl.float32)
-        v8 = tl.math.div_rn(v, scale[None, :]).to(V8T.dtype.element_ty)  # the cast saturates at +-448
+        # times the float32 1 / 448, as torch divides a tensor by a number on the GPU
+        scale = tl.maximum(tl.max(tl.max(tl.abs(v), 1), 0), min_amax) * inverse_max
+        v8 = (v * tl.math.div_rn(1.0, scale)).to(V8T.dtype.element_ty)  # the cast saturates at +-448
         tl.store(V8T + (bh.to(tl.int64) * D + dims[None, :]) * S + toks[:, None], v8, mask=ok[:, None])
-        if tl.program_id(0) == 0:
-            tl.store(VS + bh * D + dims, scale)
+        tl.store(VS + bh * BLOCKS + tl.program_id(0), scale)
 
-    return qk_kernel, v_max_kernel, v_kernel
+    return qk_kernel, v_kernel
 
 
 def rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scales, heads: int, eps: float):
@@ -333,19 +321,14 @@ def _triton(query, key, value, text_query, text_key, text_value, norm_weights, c
     text_tokens = tokens - query.shape[1]
     _check_rows(value, text_value)
     text_value = value if text_value is None else text_value
+    blocks = -(-tokens // V_BLOCK)
     v8t = torch.empty((batch, heads, dim, tokens), device=query.device, dtype=fp8.FP8)
-    v_max = torch.zeros((batch, heads, dim), device=query.device, dtype=torch.float32)
-    v_scale = torch.empty_like(v_max)
-    _, v_max_kernel, v_kernel = _kernels()
-    per = -(-tokens // V_SPLITS // V_BLOCK) * V_BLOCK  # tokens per v_max_kernel program, whole blocks
-    v_strides = (value.stride(0), value.stride(1), text_value.stride(0), text_value.stride(1))
+    v_scale = torch.empty((batch, heads, blocks), device=query.device, dtype=torch.float32)
     with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
-        v_max_kernel[(batch * heads, -(-tokens // per))](
-            value, text_value, v_max, *v_strides, text_tokens, tokens, heads, per, D=dim, BLOCK=V_BLOCK,
-            TEXT=text_tokens > 0, num_warps=WARPS)
-        v_kernel[(-(-tokens // V_BLOCK), batch * heads)](
-            value, text_value, v_max, v8t, v_scale, *v_strides, text_tokens, tokens, heads, 1.0 / fp8.FP8_MAX,
-            fp8.MIN_AMAX, D=dim, BLOCK=V_BLOCK, TEXT=text_tokens > 0, num_warps=WARPS)
+        _kernels()[1][(blocks, batch * heads)](
+            value, text_value, v8t, v_scale, value.stride(0), value.stride(1), text_value.stride(0),
+            text_value.stride(1), text_tokens, tokens, heads, blocks, 1.0 / fp8.FP8_MAX, fp8.MIN_AMAX, D=dim,
+            BLOCK=V_BLOCK, TEXT=text_tokens > 0, num_warps=V_WARPS)
     return q8, k8, v8t, v_scale
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from types import MethodType
+from typing import NamedTuple
 
 import torch
 
@@ -135,3 +136,25 @@ def scaled_matmul(linear: torch.nn.Linear, x8: torch.Tensor, scale: torch.Tensor
                            bias=linear.bias, out_dtype=dtype, use_fast_accum=True)
     return out.reshape(*shape[:-1], out.shape[-1])
 
+
+
+class QuantizedRows(NamedTuple):
+    """An activation that its producer has already quantized for a float8 layer (Flux's float8
+    attention, pipeline/kernels/fp8_attention.py): float8 rows [..., K], row-major, their scales
+    float32 [rows, 1], and the dtype the activation stands in for."""
+    x8: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.x8.reshape(-1, self.x8.shape[-1]).float() * self.scale).to(self.dtype).reshape(self.x8.shape)
+
+
+def linear(layer: torch.nn.Module, x: "torch.Tensor | QuantizedRows") -> torch.Tensor:
+    """layer(x), where x may be QuantizedRows: a float8 layer multiplies those rows as they are, any
+    other layer (one kernels.fp8 left in bf16: its sizes not multiples of 16) their dequantized values."""
+    if not isinstance(x, QuantizedRows):
+        return layer(x)
+    if not hasattr(layer, WEIGHT_SCALE):
+        return layer(x.dequantize())
+    return scaled_matmul(layer, x.x8.reshape(-1, x.x8.shape[-1]), x.scale, x.x8.shape, x.dtype)

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
+from pipeline.kernels import fp8
 from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def split_forward(block: torch.nn.Module, hidden_states: torch.Tensor, encoder_h
     normed, gate = block.norm(residual, emb=temb)
     mlp = block.act_mlp(block.proj_mlp(normed))
     attention = block.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    out = residual + gate.unsqueeze(1) * (block.proj_out_attn(attention) + block.proj_out_mlp(mlp))
+    # the attention may come quantized for its float8 layer (kernels.fp8_attention with kernels.fp8)
+    out = residual + gate.unsqueeze(1) * (fp8.linear(block.proj_out_attn, attention) + block.proj_out_mlp(mlp))
     if out.dtype == torch.float16:
         out = out.clip(-65504, 65504)
     return out[:, :text_tokens], out[:, text_tokens:]
