@@ -72,10 +72,14 @@ def is_modulated_norm(module: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
 
 @torch.library.custom_op("bcg::take_window", mutates_args=())
 def take_window(vector: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """vector[..., index] as a contiguous tensor of its own. An operator opaque to torch.compile: inlined,
-    the gather would be fused into every kernel that reads a scale, shift or gate, each of them loading
-    an index and then its value for every element instead of one contiguous row."""
-    return vector.index_select(-1, index)
+    """vector[..., index] as a contiguous tensor of its own, `index` consecutive columns on the CPU
+    (`Window`): a copy of one run of columns, its start read without waiting for the GPU. An operator
+    opaque to torch.compile: inlined, the window would be gathered in every kernel that reads a scale,
+    shift or gate, each of them loading an index and then its value for every element instead of one
+    contiguous row."""
+    if index.device.type != "cpu":
+        return vector.index_select(-1, index)
+    return vector.narrow(-1, int(index[0]), index.shape[0]).clone(memory_format=torch.contiguous_format)
 
 
 @take_window.register_fake
@@ -91,9 +95,9 @@ class Window(torch.nn.Module):
         super().__init__()
         self.projection, self.silu = projection, silu
         self.offset, self.width = offset, projection.out_features
-        # a buffer, not Python ints: compiled blocks take it as an input, so every block shares one graph
-        self.register_buffer("index", torch.arange(offset, offset + self.width, device=projection.weight.device),
-                             persistent=False)
+        # a buffer, not Python ints: compiled blocks take it as an input, so every block shares one graph;
+        # on the CPU, where take_window reads its start without a device sync
+        self.register_buffer("index", torch.arange(offset, offset + self.width), persistent=False)
 
     def forward(self, vector: torch.Tensor) -> torch.Tensor:
         return take_window(vector, self.index)
