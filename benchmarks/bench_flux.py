@@ -100,7 +100,7 @@ from pipeline.profiling import profile_categories
 from pipeline.timing import environment, time_calls
 
 # the fastest bf16 and float8 kernels (docs/kernels.md), what docs/BENCHMARKS.md#flux measures
-FASTEST = ("gelu+split+hoist+persist+qknorm+decoder+compile", "fp8+gelu+split+hoist+persist+fa8+decoder+compile")
+FASTEST = ("gelu+split+hoist+persist+qknorm+decoder+compile", "fp8+qkv+gelu+split+hoist+persist+fa8+decoder+compile")
 VARIANTS = ("eager", "graph", *FASTEST)  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
