@@ -28,7 +28,7 @@ it. There the kernel writes it as float8 rows itself (`fp8_attention_rows`), tex
 apart as the out-projections take them. An output is an average of the values, so no output exceeds
 the largest value: one scale per batch row, the largest value scale of all its heads and blocks
 (times `OUT_HEADROOM`), known before the kernel starts, where a rowwise quantization needs each row's
-maximum first. A smaller value in float8 keeps its relative precision down to 2^-15 of the scale.
+maximum first. A value below that bound keeps float8's relative precision down to about 2^-15 of it.
 """
 
 from __future__ import annotations
