@@ -159,8 +159,13 @@ def out_projections(attn, hidden_states: torch.Tensor, encoder_hidden_states):
         return hidden_states
     text, image = hidden_states.split_with_sizes(
         [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
-    image = attn.to_out[1](attn.to_out[0](image.contiguous()))
-    return image, attn.to_add_out(text.contiguous())
+    return project_out(attn, text.contiguous(), image.contiguous())
+
+
+def project_out(attn, text, image) -> tuple:
+    """A double block's text and image attention outputs (tensors, or fp8.QuantizedRows for its float8
+    layers) through their out-projections -> (image, text), as diffusers' processor returns them."""
+    return attn.to_out[1](fp8.linear(attn.to_out[0], image)), fp8.linear(attn.to_add_out, text)
 
 
 @torch.library.custom_op("bcg::fp8_attention_inputs", mutates_args=())

@@ -91,7 +91,7 @@ def rows_to_fp8_layers(transformer: torch.nn.Module) -> int:
     output itself (to_out, to_add_out); a single block's output goes to its proj_out_attn where
     kernels.split_out_proj made one (diffusers' block joins it to the MLP's first: not flagged)."""
     flagged = 0
-    for name in ("transformer_blocks", "single_transformer_blocks"):
+    for name in fp8.BLOCKS:
         for block in getattr(transformer, name, ()):
             attn = getattr(block, "attn", None)
             if attn is not None and getattr(attn, QK_SCALES, None) is not None and (
@@ -245,8 +245,7 @@ class Fp8FluxAttnProcessor:
         image = fp8.QuantizedRows(image8, image_scale, dtype)
         if encoder_hidden_states is None:
             return image  # a single block's: its split forward projects it (kernels.split_out_proj)
-        return (attn.to_out[1](fp8.linear(attn.to_out[0], image)),
-                fp8.linear(attn.to_add_out, fp8.QuantizedRows(text8, text_scale, dtype)))
+        return attention_inputs.project_out(attn, fp8.QuantizedRows(text8, text_scale, dtype), image)
 
 
 @functools.cache
