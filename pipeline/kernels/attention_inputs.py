@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import UserError
-from pipeline.kernels import fp8
+from pipeline.kernels import fp8, rounding
 
-QK_BLOCK, WARPS = 16, 4  # qk_kernel's tokens per program and warps
+QK_BLOCK, WARPS = 8, 4  # qk_kernel's tokens per program and warps
 # tokens per value scale: v_kernel's block, a multiple of the attention kernel's key blocks
 V_BLOCK, V_WARPS = 128, 8
 SETTING = f"inputs-t{QK_BLOCK}-w{WARPS}-vb{V_BLOCK}-w{V_WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
@@ -199,6 +199,8 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    round_to = rounding.round_to()
+
     @triton.jit
     def load_tokens(IMG, TXT, img_b, img_s, txt_b, txt_s, b, toks, ok, cols, S_TXT, TEXT: tl.constexpr):
         """[tokens, cols] of the joined tokens: the text's first (with TEXT), then the image's; 0 past the end."""
@@ -236,11 +238,11 @@ def _kernels():
         dtype = x.dtype
         x = x.to(tl.float32)
         r = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        even, odd = pairs((x * r * norm_weight(W, toks, dims, S_TXT, D, TEXT)).to(dtype).to(tl.float32), BLOCK, D)
+        even, odd = pairs(round_to(x * r * norm_weight(W, toks, dims, S_TXT, D, TEXT), dtype), BLOCK, D)
         cos_even, cos_odd = pairs(cos, BLOCK, D)
         sin_even, sin_odd = pairs(sin, BLOCK, D)
         out = tl.join(even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd)
-        return tl.reshape(out, [BLOCK, D]).to(dtype).to(tl.float32)
+        return round_to(tl.reshape(out, [BLOCK, D]), dtype)
 
     @triton.jit
     def qk_kernel(Q, K, TQ, TK, W, COS, SIN, SCALES, Q8, K8, q_b, q_s, k_b, k_s, tq_b, tq_s, tk_b, tk_s,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import fp8, norm
+from pipeline.kernels import fp8, norm, rounding
 from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    round_to = rounding.round_to()
     exp_linear = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e))
     exp_cubic = tl.constexpr(exp_linear * 0.044715)
 
@@ -101,7 +102,7 @@ def _kernel():
         # e^(-2u) as 2^(x (a + b x^2)), u = sqrt(2/pi) (x + 0.044715 x^3); it overflows to inf: y = 0
         e = approx(x * (exp_linear + exp_cubic * (x * x)), "ex2")
         y = x * approx(1.0 + e, "rcp")  # x sigmoid(2u)
-        return y.to(ptr.dtype.element_ty).to(tl.float32)
+        return round_to(y, ptr.dtype.element_ty)
 
     @triton.jit
     def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, fp8_max, min_amax, HEAD: tl.constexpr,
