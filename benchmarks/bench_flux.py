@@ -17,7 +17,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
   (kernels.hoist_modulation: every step's modulation projections computed once per batch; its steps are
   timed without that batch's table, which the cases include), `persist` (kernels.persistent_reductions:
   layer norms and float8 quantizations as persistent reductions), `fa8` (kernels.fp8_attention: Flux's
-  attention in float8, a Triton kernel), `autotune`
+  attention in float8, a Triton kernel), `norm8` (kernels.fp8_norm: the blocks' first norms writing the
+  float8 layers' rows, a Triton kernel), `autotune`
   (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
   matmul templates against cuBLAS), `descent` (kernels.compile_mode=coordinate-descent with
   compile_tuning=timed: inductor times block sizes around its heuristics' for each Triton kernel, the
@@ -46,7 +47,8 @@ Variants (`--variants`), each compiled one on its own copy of the transformer, r
    Ours, per variant of `--images`: the step scope (Denoiser: forward + our graph-safe sampler per
    engine call) under our graphs, the same embeddings, per-row noise from the same seeds as FluxPipeline
    draws it, VAE decode, uint8 on the host. Captured (and compiled) first, reported apart; then timed
-   batch by batch from the noise to the images; on CUDA also, on events, the GPU's time per step of the
+   from the first batch's noise to the last image, the batches queued as a job queues them (the host
+   prepares the next while the device runs up to runtime.inflight_batches, its default); on CUDA also, on events, the GPU's time per step of the
    denoising as the case runs it (steps back to back; the steps table times 10 after a warm-up) and
    per decode; with `--profile`, the kernel time of the case's first batch once more (its replayed
    steps, and its decode in `other`), per step and category, to set beside that time.
@@ -71,8 +73,10 @@ import json
 import logging
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -84,7 +88,7 @@ from bcg.engine import BCGEngine
 from benchmarks.bench_engine import bench_device, make_inputs
 from pipeline.bench import baseline_prompts, prompt_embeddings
 from pipeline.compare import psnr
-from pipeline.config import KernelsConfig
+from pipeline.config import KernelsConfig, RuntimeConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
 from pipeline.kernels import QUANTIZE, REWRITES, check_kernels, decoder, with_attention
@@ -98,14 +102,17 @@ from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
 from pipeline.profiling import profile_categories
 from pipeline.timing import environment, time_calls
+from pipeline.transfer import to_host
 
 # the fastest bf16 and float8 kernels (docs/kernels.md), what docs/BENCHMARKS.md#flux measures
-FASTEST = ("gelu+split+hoist+persist+qknorm+decoder+compile", "fp8+qkv+gelu+split+hoist+persist+fa8+decoder+compile")
+FASTEST = ("gelu+split+hoist+persist+qknorm+decoder+compile", "fp8+qkv+gelu+split+hoist+persist+fa8+norm8+decoder+compile")
 VARIANTS = ("eager", "graph", *FASTEST)  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
+INFLIGHT = RuntimeConfig().inflight_batches  # batches a job lets the device run while its host prepares the next
 # a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
 PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
          "hoist": {"hoist_modulation": True}, "persist": {"persistent_reductions": True}, "fa8": {"fp8_attention": True},
+         "norm8": {"fp8_norm": True},
          "qknorm": {"fuse_qk_norm": True},
          "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
          "descent": {"compile_mode": "coordinate-descent", "compile_tuning": "timed"},
@@ -371,27 +378,38 @@ def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, d
     denoiser.capture_all([(side, side)])
     captured_s = time.perf_counter() - start
 
-    def images_of(rows: list[Item]) -> np.ndarray:
+    def queue(rows: list[Item]) -> Queued:
+        """The batch's device work queued as a job queues it (pipeline.generate.submit_batch): its
+        pixels copied into pinned host memory, an event after them; nothing here waits."""
         cond = {name: torch.stack([embeddings[it.prompt][name] for it in rows]).unsqueeze(1)  # [n, 1, ...]: no CFG
                 for name in ("emb", "pooled")}
         guidance = torch.full((len(rows),), case.guidance, dtype=torch.float32, device=device)
         noise = batch_noise([it.seed for it in rows], adapter.latent_shape(side, side), adapter.dtype, device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else [_NoEvent()] * 3
         marks[0].record()
         latents = denoiser.denoise(noise, cond, guidance, side, side)
         marks[1].record()
         decoded = adapter.decode(latents)
         marks[2].record()
-        return to_uint8(decoded).cpu().numpy()
+        pixels = to_host(to_uint8(decoded))
+        done = torch.cuda.Event() if device.type == "cuda" else _NoEvent()
+        done.record()
+        return Queued(pixels, done, marks)
 
-    def timed_images_of(rows: list[Item]) -> np.ndarray:
-        images = images_of(rows)
-        if device.type == "cuda":  # .cpu() above waited for the decode: the marks are done
-            spans["denoise_ms"].append(marks[0].elapsed_time(marks[1]))
-            spans["decode_ms"].append(marks[1].elapsed_time(marks[2]))
-        return images
+    def images_of(rows: list[Item]) -> np.ndarray:
+        queued = queue(rows)
+        synchronize(device)
+        return queued.pixels.numpy()
+
+    def finish(queued: Queued) -> np.ndarray:
+        """Waits for a queued batch -> its images; on CUDA, its GPU spans."""
+        if device.type == "cuda":
+            queued.done.synchronize()
+            spans["denoise_ms"].append(queued.marks[0].elapsed_time(queued.marks[1]))
+            spans["decode_ms"].append(queued.marks[1].elapsed_time(queued.marks[2]))
+        return queued.pixels.numpy()
 
     # GPU time of each batch's denoising (steps back to back, as a job runs them) and decode
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else [_NoEvent()] * 3
     spans: dict[str, list[float]] = {"denoise_ms": [], "decode_ms": []}
     batches = case.batches()
     metrics = denoiser.engine.metrics
@@ -402,7 +420,13 @@ def generate(adapter: FluxAdapter, variant: str, case: Case, embeddings: dict, d
     synchronize(device)
     ready_s = time.perf_counter() - start
     start = time.perf_counter()
-    images = np.concatenate([timed_images_of(rows) for rows in batches])
+    images, pending = [], deque()
+    for rows in batches:  # the host prepares the next batches while the device runs up to INFLIGHT
+        pending.append(queue(rows))
+        while len(pending) > INFLIGHT:
+            images.append(finish(pending.popleft()))
+    images += [finish(queued) for queued in pending]
+    images = np.concatenate(images)
     result = timing(case, time.perf_counter() - start, len(batches))
     if profile:  # the kernels the case replays, against the steps table's profile of an eager call
         per_batch, top = profile_categories(lambda: images_of(batches[0]), device, calls=1)
@@ -422,6 +446,14 @@ class _NoEvent:
 
     def record(self) -> None:
         pass
+
+
+class Queued(NamedTuple):
+    """A batch whose device work is queued: uint8 [n, H, W, 3] on the host (filled once `done` has
+    completed), and its marks (before the denoising, after it, after the decode)."""
+    pixels: torch.Tensor
+    done: object
+    marks: list
 
 
 def compare_images(ours: np.ndarray, reference: np.ndarray) -> dict:
