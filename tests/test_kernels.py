@@ -838,3 +838,41 @@ def test_fp8_attention_loads_by_tma_only_what_the_accelerator_can_address():
     q8, k8, v8t = tensors(64)
     assert fa.tma_layout(q8.transpose(1, 2), k8, v8t) == "queries, keys or values not contiguous"
     assert fa.tma_layout(*tensors(64, offset=8)) == "queries, keys or values not starting on 16 bytes"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_norm_hands_the_float8_layers_their_rows_and_is_refused_without_them(monkeypatch, split):
+    """kernels.fp8_norm on the tiny Flux with float8 layers: every block's norms (a double block's
+    four, its second ones with the residual add before them; a single block's one, with its tokens
+    joined by diffusers' block or read apart by the split one) write float8 rows through their op, which its float8 layers multiply as they are; on the CPU
+    (the op runs the torch ops it replaces) the step is the one whose layers quantize the norms' output
+    themselves; it is named in the digest, and refused without kernels.fp8 and for another family."""
+    import pipeline.kernels.fp8 as fp8
+    from pipeline.kernels import fp8_norm
+
+    monkeypatch.setattr(fp8, "check_fp8", lambda device, what=None: None)  # float8 needs sm89+: stand in for it
+    calls = []
+    reference = fp8_norm.reference
+    monkeypatch.setattr(fp8_norm, "reference", lambda *args: calls.append(args[1] is None) or reference(*args))
+
+    def step(fp8_norm_on: bool):
+        torch.manual_seed(0)
+        flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+        kernels = KernelsConfig(fp8=True, fp8_norm=fp8_norm_on, fuse_qkv=True, split_out_proj=split)
+        report = apply_kernels(kernels, flux, None, shapes=1)
+        with torch.no_grad():
+            return flux, report, flux.guided_eps(random_inputs(flux))
+    flux, report, rows = step(True)
+    _, _, quantized_by_the_layers = step(False)
+    t = flux.transformer
+    assert report["fp8_norms"] == 4 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    joined_by_diffusers = len(t.single_transformer_blocks) * (not split)
+    # a double block's second norms run through the residual op, whose reference calls the first's
+    assert len(calls) == report["fp8_norms"] and sum(calls) == 4 * len(t.transformer_blocks) + joined_by_diffusers
+    assert torch.equal(rows, quantized_by_the_layers)
+    assert output_kernels(KernelsConfig(fp8=True, fp8_norm=True))["fp8_norm"] == fp8_norm.SETTING
+    with pytest.raises(UserError, match=r"kernels.fp8_norm=true needs kernels.fp8=true: .*set kernels.fp8=true, or "
+                                        r"kernels.fp8_norm=false"):
+        check_kernels(KernelsConfig(fp8_norm=True))
+    with pytest.raises(UserError, match=r"kernels.fp8_norm=true: the norms it rewrites are Flux's .*'pixart'"):
+        check_kernels(KernelsConfig(fp8=True, fp8_norm=True), "pixart")

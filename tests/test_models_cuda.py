@@ -369,3 +369,55 @@ def test_fp8_attention_flux_compiled_blocks_replay_equals_the_compiled_call():
     assert report["fp8_attention_modules"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
+
+
+@needs_fp8
+@pytest.mark.parametrize("batch,text,image,channels", [(1, 0, 333, 3072), (2, 77, 256, 3072), (2, 0, 40, 1000)])
+def test_fp8_norm_kernel_quantizes_as_the_torch_ops(batch, text, image, channels):
+    """The Triton modulated layer norm + rowwise quantization against the torch ops it replaces
+    (fp8_norm.reference), text rows and image rows read where they lie: the scales within a bf16
+    rounding of the row's largest value, each value within one float8 step, almost every byte equal;
+    the shifts and scales read through a view of the modulation vector (their rows strided); with a
+    residual add first (residual_norm_rows), the sum equal to torch's; a batch row's result does not
+    depend on the other batch rows."""
+    from pipeline.kernels import fp8_norm
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    def rows(n):
+        return (torch.randn(batch, n, channels, generator=gen, device="cuda") * 3 + 1).to(torch.bfloat16)
+    image_rows, text_rows = rows(image), (rows(text) if text else None)
+    modulation = (torch.randn(batch, 3 * channels, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    shift, scale, _ = modulation.chunk(3, dim=1)
+    q, row_scale = torch.ops.bcg.modulated_norm_rows(image_rows, text_rows, shift, scale, 1e-6)
+    ref_q, ref_scale = fp8_norm.reference(image_rows, text_rows, shift, scale, 1e-6)
+    assert q.shape == (batch, text + image, channels) and q.dtype == FP8 and row_scale.shape == (q.shape[0] * q.shape[1], 1)
+    assert float(((row_scale - ref_scale).abs() / ref_scale).max()) < 2 ** -7
+    a, b = q.flatten(0, 1).float() * row_scale, ref_q.flatten(0, 1).float() * ref_scale
+    step = 0.125 * torch.maximum(a.abs(), b.abs()) + row_scale * 2 ** -9  # e4m3: 3 mantissa bits; subnormal spacing
+    assert bool(((a - b).abs() <= 2 * step).all())
+    assert float((q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean()) > 0.95
+    if text == 0:  # a double block's second norm: the residual add before it, its sum written too
+        update = rows(image)
+        gate = modulation[:, :channels]
+        added, q2, scale2 = torch.ops.bcg.residual_norm_rows(image_rows, update, gate, shift, scale, 1e-6)
+        ref_added, ref_q2, _ = fp8_norm.residual_reference(image_rows, update, gate, shift, scale, 1e-6)
+        assert torch.equal(added, ref_added)
+        assert float((q2.view(torch.uint8) == ref_q2.view(torch.uint8)).float().mean()) > 0.95
+    if batch > 1:
+        q1, scale1 = torch.ops.bcg.modulated_norm_rows(image_rows[1:], None if text_rows is None else text_rows[1:],
+                                                       shift[1:], scale[1:], 1e-6)
+        assert torch.equal(q1.view(torch.uint8), q[1:].view(torch.uint8))
+
+
+@needs_fp8
+def test_fp8_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
+    """kernels.fp8_norm with the float8 blocks, fused projections and float8 attention under compiled
+    blocks: every block's norm writes float8 rows, the step stays close to bf16, and our graph replays
+    it bit for bit."""
+    kernels = KernelsConfig(fp8=True, fp8_attention=True, fp8_norm=True, split_out_proj=True, fuse_gelu=True,
+                            fuse_qkv=True, compile=True, compile_scope="blocks")
+    adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny_flux(wide_heads_flux()))
+    t = adapter.transformer
+    assert report["fp8_norms"] == 4 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)

@@ -8,7 +8,7 @@ without a model) where it has one, and `apply` (changes one model instance, retu
 - residual: kernels.fuse_residual (norm: its layer norm's Triton kernel on CUDA)
 - split: kernels.split_out_proj
 - modulation: kernels.hoist_modulation
-- fp8: kernels.fp8
+- fp8: kernels.fp8 (fp8_norm: kernels.fp8_norm, Flux's norms writing its float8 rows)
 - qk_norm: kernels.fuse_qk_norm (Flux's attention processor; attention_inputs: its kernel)
 - fp8_attention: kernels.fp8_attention (Flux's attention processor)
 - compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
@@ -31,8 +31,8 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import (attention, attention_inputs, compile, decoder, fp8, fp8_attention, fp8_gelu, gelu,
-                              modulation, norm, qk_norm, qkv, residual, split, text)
+from pipeline.kernels import (attention, attention_inputs, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm,
+                              gelu, modulation, norm, qk_norm, qkv, residual, split, text)
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
@@ -65,7 +65,7 @@ FUSE_QKV, FUSE_GELU, FUSE_RESIDUAL = switch("fuse_qkv"), switch("fuse_gelu"), sw
 FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
 SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
 PERSISTENT, FP8_ATTENTION = switch("persistent_reductions"), switch("fp8_attention")
-FUSE_QK_NORM = switch("fuse_qk_norm")
+FUSE_QK_NORM, FP8_NORM = switch("fuse_qk_norm"), switch("fp8_norm")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 
@@ -86,6 +86,7 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
                               "{family!r}"),
     FP8_ATTENTION: (("flux",), "its scales come from the bound of Flux's RMS-normalized queries and keys (model "
                                "families {families}); this model is {family!r}"),
+    FP8_NORM: (("flux",), "the norms it rewrites are Flux's (model families {families}); this model is {family!r}"),
     FP8: (("pixart", "flux"), "its float8 blocks are measured against bf16 (speed and PSNR, docs/BENCHMARKS.md) for "
                               "model families {families}, not {family!r}"),
 }
@@ -103,6 +104,7 @@ EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
 REQUIRES: tuple[tuple[tuple[Option, ...], Option, str], ...] = (
     ((NORMS,), FUSE_RESIDUAL, "it compiles what kernels.fuse_residual's block leaves to fuse"),
     ((PERSISTENT,), COMPILE, "it chooses how inductor compiles the transformer's reductions"),
+    ((FP8_NORM,), FP8, "it writes the norms' outputs as the float8 layers' quantized rows"),
     ((FUSE_RESIDUAL, COMPILE), NORMS, "the block adds into its input in place, which compile_scope={compile_scope} "
                                       "would trace; compile_scope=norms compiles what is left to fuse (the per-step "
                                       "constants, and off CUDA the layer norms), once"),
@@ -118,11 +120,11 @@ NEEDS_CUDA: dict[Option, str] = {
 # attention processor, before the probe, fp8 and compile)
 REWRITES = (qkv, gelu, residual, split, modulation, qk_norm, fp8_attention)
 # the options that make layers float8, in order (after the probe, before compile)
-QUANTIZE = (fp8, fp8_gelu)
+QUANTIZE = (fp8, fp8_gelu, fp8_norm)
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
 CHECKS = (attention.check, compile.check, decoder.check, fp8.check, fp8_attention.check, fp8_gelu.check,
-          qk_norm.check, residual.check)
+          fp8_norm.check, qk_norm.check, residual.check)
 
 
 def check_kernels(kernels: KernelsConfig, family: str | None = None, device: torch.device | None = None) -> None:
@@ -187,6 +189,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
         out.update(fuse_qk_norm=True, qk_norm=attention_inputs.SETTING)
     if kernels.fp8 and kernels.fuse_gelu:  # its kernel's block sizes set a row's reduction
         out["fp8_gelu"] = fp8_gelu.SETTING
+    if kernels.fp8_norm:  # likewise
+        out["fp8_norm"] = fp8_norm.SETTING
     if kernels.compile:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default

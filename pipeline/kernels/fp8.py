@@ -40,6 +40,9 @@ MIN_AMAX = 1e-12
 BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the repeated blocks (Flux has both kinds)
 ALIGN = 16  # torch._scaled_mm's K and N multiple on CUDA
 WEIGHT_SCALE = "fp8_weight_scale"  # the buffer of per-output-channel scales, float32 [1, N]
+# a module's flag: its output goes to float8 layers only, which take it as QuantizedRows (Flux's attention
+# under kernels.fp8_attention, its modulated norms under kernels.fp8_norm)
+ROWS_OUT = "fp8_rows_out"
 
 
 def check(kernels: KernelsConfig, device: torch.device | None) -> None:
@@ -122,8 +125,11 @@ def to_fp8(linear: torch.nn.Linear) -> None:
     linear.forward = MethodType(fp8_forward, linear)
 
 
-def fp8_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype: each row quantized with its own scale, one float8 matmul."""
+def fp8_forward(linear: torch.nn.Linear, x: "torch.Tensor | QuantizedRows") -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: each row quantized with its own scale (or already, as
+    QuantizedRows), one float8 matmul."""
+    if isinstance(x, QuantizedRows):
+        return scaled_matmul(linear, x.x8.reshape(-1, x.x8.shape[-1]), x.scale, x.x8.shape, x.dtype)
     x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     return scaled_matmul(linear, x8, scale, x.shape, x.dtype)
 
@@ -139,12 +145,18 @@ def scaled_matmul(linear: torch.nn.Linear, x8: torch.Tensor, scale: torch.Tensor
 
 
 class QuantizedRows(NamedTuple):
-    """An activation that its producer has already quantized for a float8 layer (Flux's float8
-    attention, pipeline/kernels/fp8_attention.py): float8 rows [..., K], row-major, their scales
-    float32 [rows, 1], and the dtype the activation stands in for."""
+    """An activation that its producer has already quantized for float8 layers (Flux's float8
+    attention, pipeline/kernels/fp8_attention.py; its modulated norms, pipeline/kernels/fp8_norm.py):
+    float8 rows [..., K], row-major, their scales float32 [rows, 1], and the dtype the activation
+    stands in for."""
     x8: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The activation's shape (a processor reads a token count from it)."""
+        return self.x8.shape
 
     def dequantize(self) -> torch.Tensor:
         return (self.x8.reshape(-1, self.x8.shape[-1]).float() * self.scale).to(self.dtype).reshape(self.x8.shape)
@@ -153,8 +165,6 @@ class QuantizedRows(NamedTuple):
 def linear(layer: torch.nn.Module, x: "torch.Tensor | QuantizedRows") -> torch.Tensor:
     """layer(x), where x may be QuantizedRows: a float8 layer multiplies those rows as they are, any
     other layer (one kernels.fp8 left in bf16: its sizes not multiples of 16) their dequantized values."""
-    if not isinstance(x, QuantizedRows):
-        return layer(x)
-    if not hasattr(layer, WEIGHT_SCALE):
+    if isinstance(x, QuantizedRows) and not hasattr(layer, WEIGHT_SCALE):
         return layer(x.dequantize())
-    return scaled_matmul(layer, x.x8.reshape(-1, x.x8.shape[-1]), x.scale, x.x8.shape, x.dtype)
+    return layer(x)

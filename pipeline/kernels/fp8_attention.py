@@ -55,8 +55,7 @@ P_SHIFT = 8  # probabilities (at most 1) times 2^8 before the float8 cast: small
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 128, 4, 3  # benchmarks/bench_fp8_attention.py times others
 HEAD_DIMS = (32, 64, 128, 256)  # float8 tensor cores multiply at least 32 values; a block's width is a power of 2
 QK_SCALES = "fp8_qk_scales"  # the attention module's buffer: float32 [2], the queries' and keys' scales
-# an attention module's flag: its output goes to float8 layers, which take it quantized (`fp8_attention_rows`)
-ROWS_OUT = "fp8_rows_out"
+ROWS_OUT = fp8.ROWS_OUT  # an attention module's flag: it writes float8 rows (`fp8_attention_rows`)
 # float8 outputs: scaled by the values' largest magnitude times this; the probabilities' float8 rounding
 # (at most 2^-4 up) cannot take a row past it
 OUT_HEADROOM = 1.125

@@ -84,7 +84,9 @@ def split_forward(block: torch.nn.Module, hidden_states: torch.Tensor, encoder_h
     arguments and results."""
     text_tokens = encoder_hidden_states.shape[1]
     residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    normed, gate = block.norm(residual, emb=temb)
+    # kernels.fp8_norm's norm reads the two parts where they lie and writes float8 rows for its float8 layers
+    joined = (encoder_hidden_states, hidden_states) if getattr(block.norm, fp8.ROWS_OUT, False) else residual
+    normed, gate = block.norm(joined, emb=temb)
     mlp = block.act_mlp(block.proj_mlp(normed))
     attention = block.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     # the attention may come quantized for its float8 layer (kernels.fp8_attention with kernels.fp8)
