@@ -876,36 +876,3 @@ def test_fp8_norm_hands_the_float8_layers_their_rows_and_is_refused_without_them
         check_kernels(KernelsConfig(fp8_norm=True))
     with pytest.raises(UserError, match=r"kernels.fp8_norm=true: the norms it rewrites are Flux's .*'pixart'"):
         check_kernels(KernelsConfig(fp8=True, fp8_norm=True), "pixart")
-
-
-def test_split_single_blocks_project_attention_and_mlp_inputs_in_one_float8_matmul(monkeypatch):
-    """kernels.split_out_proj with kernels.fuse_qkv, kernels.fp8 and kernels.fp8_attention on the tiny
-    Flux: each single block's fused q|k|v layer and proj_mlp become one float8 layer (neither kept),
-    whose product's columns feed the attention and the MLP; the step is the two layers' step up to the
-    matmul's rounding; without kernels.fp8_attention (diffusers' processor) nothing is joined."""
-    import pipeline.kernels.fp8 as fp8
-    from pipeline.kernels import split
-
-    monkeypatch.setattr(fp8, "check_fp8", lambda device, what=None: None)  # float8 needs sm89+: stand in for it
-
-    def step(join: bool):
-        torch.manual_seed(0)
-        flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
-        with monkeypatch.context() as patch:
-            if not join:  # the same layers, left apart
-                patch.setattr(split, "join_input_projections", lambda transformer: 0)
-            report = apply_kernels(KernelsConfig(fp8=True, fuse_qkv=True, split_out_proj=True, fp8_attention=True),
-                                   flux, None, shapes=1)
-        with torch.no_grad():
-            return flux, report, flux.guided_eps(random_inputs(flux))
-
-    flux, report, joined = step(True)
-    _, _, apart = step(False)
-    singles = flux.transformer.single_transformer_blocks
-    assert report["joined_input_projections"] == len(singles)
-    assert all(hasattr(b.qkv_mlp, fp8.WEIGHT_SCALE) and not hasattr(b, "proj_mlp") and not hasattr(b.attn, "to_qkv")
-               for b in singles)
-    assert rel_err(joined, apart) < 1e-5
-    report = apply_kernels(KernelsConfig(fp8=True, fuse_qkv=True, split_out_proj=True),
-                           build_model(wide_heads_flux(), torch.device("cpu"), torch.float32), None, shapes=1)
-    assert "joined_input_projections" not in report

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,27 +136,16 @@ def flux_attentions(transformer: torch.nn.Module, setting: str, device: torch.de
     return modules
 
 
-class Projected(NamedTuple):
-    """A single block's queries, keys and values already projected (kernels.split_out_proj's block, whose
-    one float8 matmul projects them and the MLP's input together), in place of its hidden states."""
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-
-
 def projections(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb) -> tuple:
     """diffusers' FluxAttnProcessor (0.42) up to its norms -> (query, key, value, text_query, text_key,
-    text_value (None in a single block), heads, norm eps); `hidden_states` may come `Projected`; a mask
-    or a missing rotary embedding is refused."""
+    text_value (None in a single block), heads, norm eps); a mask or a missing rotary embedding is
+    refused."""
     from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
     if attention_mask is not None or image_rotary_emb is None:
         raise NotImplementedError("Flux's attention kernels take no mask, and a rotary embedding")
-    if isinstance(hidden_states, Projected):
-        query, key, value, text_query, text_key, text_value = (*hidden_states, None, None, None)
-    else:
-        query, key, value, text_query, text_key, text_value = _get_qkv_projections(attn, hidden_states,
-                                                                                   encoder_hidden_states)
+    query, key, value, text_query, text_key, text_value = _get_qkv_projections(attn, hidden_states,
+                                                                               encoder_hidden_states)
     if attn.added_kv_proj_dim is None:
         text_query = text_key = text_value = None
     eps = attn.norm_q.eps if attn.norm_q.eps is not None else torch.finfo(query.dtype).eps

@@ -69,7 +69,7 @@ def gelu_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch.compile calls as it is (it does not trace into it)."""
     if rows.device.type != "cuda":
         return reference(rows)
-    return _triton_gelu_quantize(rows if rows.stride(-1) == 1 else rows.contiguous())
+    return _triton_gelu_quantize(rows.contiguous())
 
 
 @gelu_quantize_rows.register_fake
@@ -105,10 +105,10 @@ def _kernel():
         return round_to(y, ptr.dtype.element_ty)
 
     @triton.jit
-    def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, n_cols, fp8_max, min_amax, HEAD: tl.constexpr,
+    def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, fp8_max, min_amax, HEAD: tl.constexpr,
                              TAIL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        x_row, q_row = x_ptr + row * x_stride, q_ptr + row * n_cols
+        x_row, q_row = x_ptr + row * n_cols, q_ptr + row * n_cols
         head = tl.arange(0, HEAD)
         y_head = gelu_rounded(x_row, head, None, False)
         amax = tl.max(tl.abs(y_head), axis=0)
@@ -137,8 +137,7 @@ def row_blocks(n_cols: int) -> tuple[int, int]:
 
 
 def _triton_gelu_quantize(rows: torch.Tensor, warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on CUDA rows, each row's values contiguous (the rows may lie apart: a column slice of a
-    wider projection); `warps`: its fixed choice (a benchmark's to vary)."""
+    """The kernel on contiguous CUDA rows; `warps`: its fixed choice (a benchmark's to vary)."""
     n_rows, n_cols = rows.shape
     if n_cols > MAX_COLS:
         raise ValueError(f"gelu_quantize_rows: rows of at most {MAX_COLS} values, got {n_cols}")
@@ -147,7 +146,7 @@ def _triton_gelu_quantize(rows: torch.Tensor, warps: int = WARPS) -> tuple[torch
     if n_rows and n_cols:
         head, tail = row_blocks(n_cols)
         with torch.cuda.device(rows.device):
-            _kernel()[(n_rows,)](rows, q, scale, rows.stride(0), n_cols, fp8.FP8_MAX, fp8.MIN_AMAX, HEAD=head, TAIL=tail,
+            _kernel()[(n_rows,)](rows, q, scale, n_cols, fp8.FP8_MAX, fp8.MIN_AMAX, HEAD=head, TAIL=tail,
                                  num_warps=warps)
     return q, scale
 

@@ -284,14 +284,11 @@ def _first_norms(block: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
     attn = getattr(block, "attn", None)
     if attn is None:
         return []
-    image = ([getattr(attn, "to_qkv", None)] if getattr(attn, "fused_projections", False)
-             else [attn.to_q, attn.to_k, attn.to_v])
+    image = [attn.to_qkv] if getattr(attn, "fused_projections", False) else [attn.to_q, attn.to_k, attn.to_v]
     if hasattr(block, "norm1"):  # a double block
         text = ([getattr(attn, "to_added_qkv", None)] if getattr(attn, "fused_projections", False)
                 else [getattr(attn, name, None) for name in ("add_q_proj", "add_k_proj", "add_v_proj")])
         return [(block.norm1, image), (getattr(block, "norm1_context", None), text)]
-    if hasattr(block, "norm") and hasattr(block, "qkv_mlp"):  # a single block, its input projections joined
-        return [(block.norm, [block.qkv_mlp])]
     if hasattr(block, "norm") and hasattr(block, "proj_mlp"):  # a single block
         return [(block.norm, image + [block.proj_mlp])]
     return []

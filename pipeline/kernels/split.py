@@ -21,26 +21,20 @@ import torch
 
 from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import attention_inputs, fp8
+from pipeline.kernels import fp8
 from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 
 
 def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """-> {"split_out_proj_blocks": n} when on (with kernels.fuse_qkv, kernels.fp8 and
-    kernels.fp8_attention also "joined_input_projections": n), else {}."""
+    """-> {"split_out_proj_blocks": n} when on, else {}."""
     if not kernels.split_out_proj:
         return {}
     blocks = split_out_proj(adapter.transformer)
     log.info("kernels: %d single-stream blocks multiply attention and MLP by their parts of proj_out "
              "(no concatenated copy)", blocks)
-    if not (kernels.fuse_qkv and kernels.fp8 and kernels.fp8_attention):
-        return {"split_out_proj_blocks": blocks}
-    joined = join_input_projections(adapter.transformer)
-    log.info("kernels: %d single-stream blocks project queries, keys, values and the MLP's input in one matmul",
-             joined)
-    return {"split_out_proj_blocks": blocks, "joined_input_projections": joined}
+    return {"split_out_proj_blocks": blocks}
 
 
 def split_out_proj(transformer: torch.nn.Module) -> int:
@@ -57,30 +51,6 @@ def split_out_proj(transformer: torch.nn.Module) -> int:
         block.proj_out_attn, block.proj_out_mlp = attn, mlp
         block.forward = MethodType(split_forward, block)
     return len(blocks)
-
-
-def join_input_projections(transformer: torch.nn.Module) -> int:
-    """Each split single-stream block whose attention has one fused q|k|v layer (kernels.fuse_qkv): that
-    layer and proj_mlp, which read the same normed rows, as one linear layer `qkv_mlp` (their weights
-    and biases stacked; both removed, not kept twice) -> blocks changed. Its float8 form (kernels.fp8,
-    one scale per output channel) is the two layers' float8 forms stacked; the split forward hands the
-    attention its columns of the product (`attention_inputs.Projected`), which only kernels.fp8_attention's
-    processor reads."""
-    joined = 0
-    for block in getattr(transformer, "single_transformer_blocks", ()):
-        qkv = getattr(block.attn, "to_qkv", None)
-        if block.forward.__func__ is not split_forward or not isinstance(qkv, torch.nn.Linear):
-            continue
-        mlp = block.proj_mlp
-        layer = torch.nn.Linear(qkv.in_features, qkv.out_features + mlp.out_features, device=qkv.weight.device,
-                                dtype=qkv.weight.dtype)
-        layer.requires_grad_(False)
-        layer.weight.copy_(torch.cat([qkv.weight.detach(), mlp.weight.detach()]))
-        layer.bias.copy_(torch.cat([qkv.bias.detach(), mlp.bias.detach()]))
-        block.qkv_mlp = layer
-        del block.attn.to_qkv, block.proj_mlp
-        joined += 1
-    return joined
 
 
 def is_single_stream(block: torch.nn.Module) -> bool:
@@ -117,15 +87,8 @@ def split_forward(block: torch.nn.Module, hidden_states: torch.Tensor, encoder_h
     # kernels.fp8_norm's norm reads the two parts where they lie and writes float8 rows for its float8 layers
     joined = (encoder_hidden_states, hidden_states) if getattr(block.norm, fp8.ROWS_OUT, False) else residual
     normed, gate = block.norm(joined, emb=temb)
-    if hasattr(block, "qkv_mlp"):  # one matmul for both (`join_input_projections`)
-        projected = block.qkv_mlp(normed)
-        width = 3 * block.attn.inner_dim
-        mlp = block.act_mlp(projected[..., width:])
-        inputs = attention_inputs.Projected(*projected[..., :width].chunk(3, dim=-1))
-    else:
-        mlp = block.act_mlp(block.proj_mlp(normed))
-        inputs = normed
-    attention = block.attn(hidden_states=inputs, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    mlp = block.act_mlp(block.proj_mlp(normed))
+    attention = block.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     # the attention may come quantized for its float8 layer (kernels.fp8_attention with kernels.fp8)
     out = residual + gate.unsqueeze(1) * (fp8.linear(block.proj_out_attn, attention) + block.proj_out_mlp(mlp))
     if out.dtype == torch.float16:
