@@ -131,9 +131,10 @@ class KernelsConfig:
     # Flux: the attention's two matmuls in float8 (a Triton flash-attention kernel; queries and keys
     # scaled by the bound their RMS norms set, values per block of 128 tokens; CUDA sm89+). Images differ.
     fp8_attention: bool = False
-    # Flux with kernels.fp8: each block's first modulated layer norm, whose output only float8 layers
-    # read, writes it as float8 rows: the norm, its modulation and the rowwise quantization in one
-    # Triton kernel (CUDA sm89+; the CPU runs the torch ops). A row's sums may add in another order.
+    # Flux with kernels.fp8: each block's modulated layer norms, whose output only float8 layers read
+    # (a double block's second ones with the residual add before them), write it as float8 rows: the
+    # norm, its modulation and the rowwise quantization in one Triton kernel (CUDA sm89+; the CPU runs
+    # the torch ops). A row's sums may add in another order.
     fp8_norm: bool = False
     # Flux: the attention's per-head RMS norms of queries and keys, the join of text and image tokens
     # and the rotary embedding in one Triton kernel that reads the projections where they lie (CUDA;

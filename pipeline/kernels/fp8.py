@@ -97,6 +97,11 @@ def block_linears(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Line
     return found
 
 
+def is_fp8(module: object) -> bool:
+    """A linear layer that `to_fp8` made float8."""
+    return isinstance(module, torch.nn.Linear) and hasattr(module, WEIGHT_SCALE)
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (float8 [N, K], scales float32 [1, N]): row n of the weight is
     w8[n] * scale[0, n], each row scaled by its own absolute maximum."""

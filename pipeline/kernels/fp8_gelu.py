@@ -188,10 +188,6 @@ def fuse_gelu_quantization(transformer: torch.nn.Module) -> dict:
     return {"fp8_gelu_layers": fused}
 
 
-def _is_fp8(module: object) -> bool:
-    return isinstance(module, torch.nn.Linear) and hasattr(module, fp8.WEIGHT_SCALE)
-
-
 def _is_tanh_gelu(module: object, gelu_class: type = torch.nn.GELU) -> bool:
     """torch's GELU module, or diffusers' (`gelu_class`, a projection inside), in its tanh form."""
     return isinstance(module, gelu_class) and module.approximate == "tanh"
@@ -207,7 +203,7 @@ def _ff_pair(module: torch.nn.Module, gelu_class: type):
     if not _is_tanh_gelu(act, gelu_class):
         return None
     rest = [m for m in list(net)[1:] if not isinstance(m, (torch.nn.Dropout, torch.nn.Identity))]
-    if len(rest) != 1 or not _is_fp8(rest[0]):
+    if len(rest) != 1 or not fp8.is_fp8(rest[0]):
         return None
 
     def only_project() -> None:
@@ -220,7 +216,7 @@ def _single_stream_pair(module: torch.nn.Module):
     """Flux's single-stream block split by kernels.split_out_proj: proj_mlp, act_mlp (tanh GELU),
     proj_out_mlp (float8) -> (make act_mlp an identity, proj_out_mlp), else None."""
     act, down = getattr(module, "act_mlp", None), getattr(module, "proj_out_mlp", None)
-    if not (_is_tanh_gelu(act) and _is_fp8(down)):
+    if not (_is_tanh_gelu(act) and fp8.is_fp8(down)):
         return None
 
     def identity() -> None:
@@ -230,4 +226,4 @@ def _single_stream_pair(module: torch.nn.Module):
 
 
 def _joined_single_stream(module: torch.nn.Module) -> bool:
-    return _is_tanh_gelu(getattr(module, "act_mlp", None)) and _is_fp8(getattr(module, "proj_out", None))
+    return _is_tanh_gelu(getattr(module, "act_mlp", None)) and fp8.is_fp8(getattr(module, "proj_out", None))

@@ -1,17 +1,20 @@
 """kernels.fp8_norm: Flux's modulated layer norms that feed float8 layers write float8 rows, the norm,
 its modulation and the rowwise quantization in one Triton kernel.
 
-A Flux block's first norm (AdaLayerNormZero in a double block, for its image and its text tokens;
-AdaLayerNormZeroSingle in a single block) computes LN(x) * (1 + scale) + shift, and only the block's
-float8 projections read the result (the attention's queries, keys and values; a single block's MLP
-up-projection), each quantizing it row by row. Compiled, inductor fuses the norm, the modulation and
+A Flux block's norms compute LN(x) * (1 + scale) + shift, and only the block's float8 layers read
+the result, each quantizing it row by row: a double block's first norms (AdaLayerNormZero, for its
+image and its text tokens: the attention's projections) and its second ones (plain LayerNorms that
+its forward modulates, after adding the gated attention output to the residual stream: the
+feed-forwards' up-projections), a single block's norm (AdaLayerNormZeroSingle: the attention's
+projections and the MLP's up-projection). Compiled, inductor fuses each norm, its modulation and
 that quantization into one kernel, but it holds a row per program and runs well below the memory's
 rate. Here one program reads a row once (text or image tokens where they lie: a single block's
-joined tokens are not copied together first), computes the norm in float32 and the modulation as
-diffusers' bf16 ops round it (`reference`), takes the row's absolute maximum and writes the float8
-row and its scale (`fp8.QuantizedRows`), which the float8 layers multiply as they are. The row is two
-blocks of powers of two, as in the GELU's kernel (Flux's 3,072 channels are 2,048 + 1,024). Block
-sizes and warps are constants (`SETTING`): every process reduces a row the same way.
+joined tokens are not copied together first; for a second norm the residual and the attention's
+output, writing their gated sum too), computes the norm in float32 and the modulation as diffusers'
+bf16 ops round it (`reference`), takes the row's absolute maximum and writes the float8 row and its
+scale (`fp8.QuantizedRows`), which the float8 layers multiply as they are. The row is two blocks of
+powers of two, as in the GELU's kernel (Flux's 3,072 channels are 2,048 + 1,024). Block sizes and
+warps are constants (`SETTING`): every process reduces a row the same way.
 
 The CPU runs `reference`, the torch ops the kernel replaces; a norm with an affine weight, its own
 embedding or a reader that is not a float8 layer keeps its forward.
@@ -257,13 +260,14 @@ def double_forward(block: torch.nn.Module, hidden_states: torch.Tensor, encoder_
 
 
 def norms_to_rows(transformer: torch.nn.Module) -> int:
-    """Every Flux block's first norm whose every reader is a float8 layer, with `rows_forward` (this
-    instance only) and flagged `fp8.ROWS_OUT` -> norms changed (none: refused)."""
+    """Every Flux block's first norm whose every reader is a float8 layer, with `rows_forward` and
+    flagged `fp8.ROWS_OUT`; every double block whose second norms feed float8 layers, with
+    `double_forward` (this instance only) -> norms changed (none: refused)."""
     changed = 0
     for name in fp8.BLOCKS:
         for block in getattr(transformer, name, ()):
             for norm_module, readers in _first_norms(block):
-                if _plain_modulated(norm_module) and readers and all(map(_is_fp8, readers)):
+                if _plain_modulated(norm_module) and readers and all(map(fp8.is_fp8, readers)):
                     norm_module.chunks = _width(norm_module.linear) // norm_module.norm.normalized_shape[0]
                     norm_module.forward = MethodType(rows_forward, norm_module)
                     setattr(norm_module, fp8.ROWS_OUT, True)
@@ -299,23 +303,24 @@ def _second_norms_to_rows(block: torch.nn.Module) -> bool:
     feed-forwards whose first layer is float8 (`double_forward` can take it)."""
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
-    def plain(norm2) -> bool:
-        return isinstance(norm2, torch.nn.LayerNorm) and norm2.weight is None and norm2.bias is None
-
     def fp8_first(ff) -> bool:
         net = getattr(ff, "net", None)
-        return isinstance(net, torch.nn.ModuleList) and _is_fp8(getattr(net[0], "proj", None))
+        return isinstance(net, torch.nn.ModuleList) and fp8.is_fp8(getattr(net[0], "proj", None))
 
-    return (type(block) is FluxTransformerBlock and plain(block.norm2) and plain(block.norm2_context)
+    return (type(block) is FluxTransformerBlock and _plain(block.norm2) and _plain(block.norm2_context)
             and fp8_first(block.ff) and fp8_first(block.ff_context))
 
 
 def _plain_modulated(module: object) -> bool:
     """A norm of diffusers' AdaLayerNormZero kind without an embedding of its own: a LayerNorm without
     affine weights, modulated by shift and scale, the first two chunks of its projection."""
-    layer_norm = getattr(module, "norm", None)
-    return (isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.weight is None and layer_norm.bias is None
-            and getattr(module, "emb", None) is None and hasattr(module, "linear") and hasattr(module, "silu"))
+    return (_plain(getattr(module, "norm", None)) and getattr(module, "emb", None) is None
+            and hasattr(module, "linear") and hasattr(module, "silu"))
+
+
+def _plain(layer_norm: object) -> bool:
+    """A LayerNorm without affine weights (Flux's)."""
+    return isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.weight is None and layer_norm.bias is None
 
 
 def _width(projection: torch.nn.Module) -> int:
@@ -323,6 +328,3 @@ def _width(projection: torch.nn.Module) -> int:
     window's."""
     return projection.out_features if isinstance(projection, torch.nn.Linear) else projection.width
 
-
-def _is_fp8(module: object) -> bool:
-    return isinstance(module, torch.nn.Linear) and hasattr(module, fp8.WEIGHT_SCALE)
