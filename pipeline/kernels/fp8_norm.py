@@ -101,20 +101,19 @@ def _kernel():
         return round_to(round_to(normed * round_to(1.0 + scale, dtype), dtype) + shift, dtype)
 
     @triton.jit
+    def load(ptr, cols, ok, MASKED: tl.constexpr):
+        """ptr[cols] as fp32; MASKED: 0 where not ok."""
+        if MASKED:
+            return tl.load(ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        return tl.load(ptr + cols).to(tl.float32)
+
+    @triton.jit
     def residual_added(x_row, u_row, gate, h_row, cols, ok, MASKED: tl.constexpr, RESIDUAL: tl.constexpr, dtype):
         """The row's values as fp32; RESIDUAL: x + gate * u as diffusers' bf16 ops round it, stored to h too."""
-        if MASKED:
-            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(x_row + cols).to(tl.float32)
+        x = load(x_row, cols, ok, MASKED)
         if RESIDUAL:
-            if MASKED:
-                u = tl.load(u_row + cols, mask=ok, other=0.0).to(tl.float32)
-                g = tl.load(gate + cols, mask=ok, other=0.0).to(tl.float32)
-            else:
-                u = tl.load(u_row + cols).to(tl.float32)
-                g = tl.load(gate + cols).to(tl.float32)
-            x = round_to(x + round_to(g * u, dtype), dtype)
+            u = load(u_row, cols, ok, MASKED)
+            x = round_to(x + round_to(load(gate, cols, ok, MASKED) * u, dtype), dtype)
             if MASKED:
                 tl.store(h_row + cols, x.to(dtype), mask=ok)
             else:
@@ -150,13 +149,12 @@ def _kernel():
             centred_tail = tl.where(tail_ok, x_tail - mean, 0.0)
             squares += tl.sum(centred_tail * centred_tail, axis=0)
         rstd = tl.math.rsqrt(squares / n_cols + eps)
-        y_head = modulated(x_head, tl.load(SHIFT + b * shift_b + head).to(tl.float32),
-                           tl.load(SCALE + b * scale_b + head).to(tl.float32), mean, rstd, dtype)
+        y_head = modulated(x_head, load(SHIFT + b * shift_b, head, None, False), load(SCALE + b * scale_b, head, None, False),
+                           mean, rstd, dtype)
         amax = tl.max(tl.abs(y_head), axis=0)
         if TAIL > 0:
-            y_tail = modulated(x_tail, tl.load(SHIFT + b * shift_b + tail, mask=tail_ok, other=0.0).to(tl.float32),
-                               tl.load(SCALE + b * scale_b + tail, mask=tail_ok, other=0.0).to(tl.float32), mean,
-                               rstd, dtype)
+            y_tail = modulated(x_tail, load(SHIFT + b * shift_b, tail, tail_ok, True),
+                               load(SCALE + b * scale_b, tail, tail_ok, True), mean, rstd, dtype)
             amax = tl.maximum(amax, tl.max(tl.where(tail_ok, tl.abs(y_tail), 0.0), axis=0))
         row_scale = tl.maximum(amax, min_amax) / fp8_max
         inverse = 1.0 / row_scale
@@ -227,8 +225,8 @@ def rows_forward(module: torch.nn.Module, x, *args, emb: torch.Tensor | None = N
     rows (`fp8.QuantizedRows`): the same modulation chunks after it. `x`: the rows, or (text, image)
     rows to normalize as if joined (a single block's tokens, not copied together first)."""
     emb = module.linear(module.silu(emb))
-    shift, scale, *rest = emb.chunk(module.chunks, dim=1)
     text, image = x if isinstance(x, tuple) else (None, x)
+    shift, scale, *rest = emb.chunk(emb.shape[1] // image.shape[-1], dim=1)  # 6 (AdaLayerNormZero) or 3 (Single)
     x8, row_scale = torch.ops.bcg.modulated_norm_rows(image, text, shift, scale, module.norm.eps)
     return (fp8.QuantizedRows(x8, row_scale, image.dtype), *rest)
 
@@ -268,7 +266,6 @@ def norms_to_rows(transformer: torch.nn.Module) -> int:
         for block in getattr(transformer, name, ()):
             for norm_module, readers in _first_norms(block):
                 if _plain_modulated(norm_module) and readers and all(map(fp8.is_fp8, readers)):
-                    norm_module.chunks = _width(norm_module.linear) // norm_module.norm.normalized_shape[0]
                     norm_module.forward = MethodType(rows_forward, norm_module)
                     setattr(norm_module, fp8.ROWS_OUT, True)
                     changed += 1
@@ -321,10 +318,4 @@ def _plain_modulated(module: object) -> bool:
 def _plain(layer_norm: object) -> bool:
     """A LayerNorm without affine weights (Flux's)."""
     return isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.weight is None and layer_norm.bias is None
-
-
-def _width(projection: torch.nn.Module) -> int:
-    """A norm's modulation projection's output width: a linear layer's, or kernels.hoist_modulation's
-    window's."""
-    return projection.out_features if isinstance(projection, torch.nn.Linear) else projection.width
 
