@@ -15,7 +15,10 @@ than once and copy the joined tokens; here two:
 - `qk_kernel`, per block of tokens and a few heads: reads the queries and keys where the projections
   wrote them (text or image), normalizes and rotates them, rounding to the model's dtype where the
   model does (after the norm's weight, after the rotation), and writes them, as float8 or in the
-  model's dtype; the rotary embedding's cos and sin are read once for those heads;
+  model's dtype; the rotary embedding's cos and sin are read once for those heads, and the next
+  head's queries and keys while one head's are computed. It reads and writes words of two values,
+  a rotated pair (`rounding.pairs`): splitting a row into its even and odd values instead passes
+  them through shared memory;
 - `v_kernel`, per block of `V_BLOCK` tokens of one (row, head): reads the values once, takes their
   absolute maximum, writes the block's scale and the values divided by it, transposed (tokens
   contiguous). A block's scale needs no other block's values: one pass, no second kernel.
@@ -42,7 +45,7 @@ from pipeline.kernels import fp8, rounding
 QK_BLOCK, WARPS = 8, 4  # qk_kernel's tokens per program and warps
 # tokens per value scale: v_kernel's block, a multiple of the attention kernel's key blocks
 V_BLOCK, V_WARPS = 128, 8
-SETTING = f"inputs-t{QK_BLOCK}-w{WARPS}-vb{V_BLOCK}-w{V_WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
+SETTING = f"inputs-pairs-t{QK_BLOCK}-w{WARPS}-vb{V_BLOCK}-w{V_WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
 NORM_WEIGHTS = "qk_norm_weights"  # an attention module's buffer [4, D]: its norms' weights (`norm_weights`)
 
 
@@ -200,6 +203,7 @@ def _kernels():
     import triton.language as tl
 
     round_to = rounding.round_to()
+    unpair, pair_to = rounding.pairs()
 
     @triton.jit
     def load_tokens(IMG, TXT, img_b, img_s, txt_b, txt_s, b, toks, ok, cols, S_TXT, TEXT: tl.constexpr):
@@ -207,70 +211,80 @@ def _kernels():
         if TEXT:
             is_txt = toks < S_TXT
             x = tl.load(IMG + b * img_b + (toks - S_TXT)[:, None] * img_s + cols[None, :],
-                        mask=(ok & ~is_txt)[:, None], other=0.0)
+                        mask=(ok & ~is_txt)[:, None], other=0)
             x += tl.load(TXT + b * txt_b + toks[:, None] * txt_s + cols[None, :], mask=(ok & is_txt)[:, None],
-                         other=0.0)
+                         other=0)
         else:
-            x = tl.load(IMG + b * img_b + toks[:, None] * img_s + cols[None, :], mask=ok[:, None], other=0.0)
+            x = tl.load(IMG + b * img_b + toks[:, None] * img_s + cols[None, :], mask=ok[:, None], other=0)
         return x
 
     @triton.jit
-    def norm_weight(W, toks, dims, S_TXT, D: tl.constexpr, TEXT: tl.constexpr):
-        """The norm's weight for each token [tokens, D]: W's row (the image's norm), or for text tokens the
-        row two below it (the text's norm of the same queries or keys)."""
-        w = tl.load(W + dims).to(tl.float32)[None, :]
+    def weight_pairs(W, toks, words, S_TXT, D: tl.constexpr, TEXT: tl.constexpr):
+        """The norm's weight for each token's even and odd dimensions [tokens, D / 2] each: W's row (the
+        image's norm), or for text tokens the row two below it (the text's norm of the same queries or
+        keys)."""
+        even, odd = tl.load(W + 2 * words).to(tl.float32)[None, :], tl.load(W + 2 * words + 1).to(tl.float32)[None, :]
         if TEXT:
-            w = tl.where((toks < S_TXT)[:, None], tl.load(W + 2 * D + dims).to(tl.float32)[None, :], w)
-        return w
+            is_txt = (toks < S_TXT)[:, None]
+            even = tl.where(is_txt, tl.load(W + 2 * D + 2 * words).to(tl.float32)[None, :], even)
+            odd = tl.where(is_txt, tl.load(W + 2 * D + 2 * words + 1).to(tl.float32)[None, :], odd)
+        return even, odd
 
     @triton.jit
-    def pairs(x, BLOCK: tl.constexpr, D: tl.constexpr):
-        """[tokens, D] -> its even and its odd dimensions, [tokens, D / 2] each."""
-        return tl.split(tl.reshape(x, [BLOCK, D // 2, 2]))
+    def normed_rotated(x, w_even, w_odd, cos_even, cos_odd, sin_even, sin_odd, eps, D: tl.constexpr,
+                       DTYPE: tl.constexpr):
+        """One head's queries or keys, words of two values of DTYPE [tokens, D / 2]: the RMS norm times its
+        weight (`weight_pairs`; fp32, rounded to DTYPE), then the rotation x cos + rotated(x) sin,
+        rotated(x) = (-x[1], x[0], -x[3], x[2], ...) (fp32, not yet rounded) -> its even and its odd
+        dimensions, fp32 [tokens, D / 2] each."""
+        even, odd = unpair(x, DTYPE)
+        r = tl.math.rsqrt(tl.sum(even * even + odd * odd, 1) / D + eps)[:, None]
+        even, odd = round_to(even * r * w_even, DTYPE), round_to(odd * r * w_odd, DTYPE)
+        return even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd
 
     @triton.jit
-    def normed_rotated(IMG, TXT, W, img_b, img_s, txt_b, txt_s, b, h, toks, ok, dims, cos, sin, S_TXT, eps,
-                       D: tl.constexpr, BLOCK: tl.constexpr, TEXT: tl.constexpr):
-        """Queries or keys of one head: the RMS norm times its weight (fp32, rounded to the dtype), then the
-        rotation x cos + rotated(x) sin, rotated(x) = (-x[1], x[0], -x[3], x[2], ...) (fp32, rounded),
-        as fp32 [tokens, D]."""
-        x = load_tokens(IMG, TXT, img_b, img_s, txt_b, txt_s, b, toks, ok, h * D + dims, S_TXT, TEXT)
-        dtype = x.dtype
-        x = x.to(tl.float32)
-        r = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        even, odd = pairs(round_to(x * r * norm_weight(W, toks, dims, S_TXT, D, TEXT), dtype), BLOCK, D)
-        cos_even, cos_odd = pairs(cos, BLOCK, D)
-        sin_even, sin_odd = pairs(sin, BLOCK, D)
-        out = tl.join(even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd)
-        return round_to(tl.reshape(out, [BLOCK, D]), dtype)
+    def written(even, odd, inverse, DTYPE: tl.constexpr, QUANT: tl.constexpr):
+        """The rotated pairs as the words stored: rounded to DTYPE, with QUANT times `inverse` as float8."""
+        if QUANT:
+            words = pair_to(round_to(even, DTYPE) * inverse, round_to(odd, DTYPE) * inverse, tl.float8e4nv)
+        else:
+            words = pair_to(even, odd, DTYPE)
+        return words
 
     @triton.jit
     def qk_kernel(Q, K, TQ, TK, W, COS, SIN, SCALES, Q8, K8, q_b, q_s, k_b, k_s, tq_b, tq_s, tk_b, tk_s,
                   S_TXT, S, H, eps, D: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, TEXT: tl.constexpr,
-                  QUANT: tl.constexpr):
-        """QUANT: float8 outputs, divided by SCALES; else the rotated values in the projections' dtype."""
+                  QUANT: tl.constexpr, DTYPE: tl.constexpr):
+        """Every tensor but W and SCALES as words of two values (strides in words): the projections of
+        DTYPE, COS and SIN of float32, the outputs of float8 (QUANT: divided by SCALES) or DTYPE."""
         b = tl.program_id(2).to(tl.int64)
         toks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = toks < S
-        dims = tl.arange(0, D)
+        words = tl.arange(0, D // 2)
         q_inverse, k_inverse = 1.0, 1.0
         if QUANT:
             q_inverse, k_inverse = tl.math.div_rn(1.0, tl.load(SCALES)), tl.math.div_rn(1.0, tl.load(SCALES + 1))
-        cos = tl.load(COS + toks[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)  # once for HEADS heads
-        sin = tl.load(SIN + toks[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
+        at = toks[:, None] * (D // 2) + words[None, :]  # once for HEADS heads
+        cos_even, cos_odd = unpair(tl.load(COS + at, mask=ok[:, None], other=0), tl.float32)
+        sin_even, sin_odd = unpair(tl.load(SIN + at, mask=ok[:, None], other=0), tl.float32)
+        qw_even, qw_odd = weight_pairs(W, toks, words, S_TXT, D, TEXT)
+        kw_even, kw_odd = weight_pairs(W + D, toks, words, S_TXT, D, TEXT)
+        cols = tl.program_id(1) * HEADS * (D // 2) + words  # the first head's words
+        q = load_tokens(Q, TQ, q_b, q_s, tq_b, tq_s, b, toks, ok, cols, S_TXT, TEXT)
+        k = load_tokens(K, TK, k_b, k_s, tk_b, tk_s, b, toks, ok, cols, S_TXT, TEXT)
         for i in tl.range(HEADS):
+            # the next head's words are read while this head's are computed and written
+            cols += D // 2
+            more = ok & (i + 1 < HEADS)
+            q_next = load_tokens(Q, TQ, q_b, q_s, tq_b, tq_s, b, toks, more, cols, S_TXT, TEXT)
+            k_next = load_tokens(K, TK, k_b, k_s, tk_b, tk_s, b, toks, more, cols, S_TXT, TEXT)
             h = tl.program_id(1) * HEADS + i
-            out = (b * S + toks)[:, None] * (H * D) + h * D + dims[None, :]  # [B, S, H, D]
-            q = normed_rotated(Q, TQ, W, q_b, q_s, tq_b, tq_s, b, h, toks, ok, dims, cos, sin, S_TXT, eps,
-                               D, BLOCK, TEXT)
-            if QUANT:
-                q = q * q_inverse
-            tl.store(Q8 + out, q.to(Q8.dtype.element_ty), mask=ok[:, None])
-            k = normed_rotated(K, TK, W + D, k_b, k_s, tk_b, tk_s, b, h, toks, ok, dims, cos, sin, S_TXT, eps,
-                               D, BLOCK, TEXT)
-            if QUANT:
-                k = k * k_inverse
-            tl.store(K8 + out, k.to(K8.dtype.element_ty), mask=ok[:, None])
+            out = (b * S + toks)[:, None] * (H * D // 2) + h * (D // 2) + words[None, :]  # [B, S, H, D / 2]
+            q_even, q_odd = normed_rotated(q, qw_even, qw_odd, cos_even, cos_odd, sin_even, sin_odd, eps, D, DTYPE)
+            tl.store(Q8 + out, written(q_even, q_odd, q_inverse, DTYPE, QUANT), mask=ok[:, None])
+            k_even, k_odd = normed_rotated(k, kw_even, kw_odd, cos_even, cos_odd, sin_even, sin_odd, eps, D, DTYPE)
+            tl.store(K8 + out, written(k_even, k_odd, k_inverse, DTYPE, QUANT), mask=ok[:, None])
+            q, k = q_next, k_next
 
     @triton.jit
     def v_kernel(V, TV, V8T, VS, v_b, v_s, tv_b, tv_s, S_TXT, S, H, BLOCKS, inverse_max, min_amax,
@@ -310,14 +324,13 @@ def rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scal
                     dtype=query.dtype if qk_scales is None else fp8.FP8)
     k = torch.empty_like(q)
     heads_per_program = next(n for n in (4, 3, 2, 1) if heads % n == 0)
+    words = [_words(t) for t in (query, key, text_query, text_key)]  # the kernel reads and writes pairs
     with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
         _kernels()[0][(-(-tokens // QK_BLOCK), heads // heads_per_program, batch)](
-            query, key, text_query, text_key, norm_weights, cos, sin,
-            norm_weights if qk_scales is None else qk_scales, q, k,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-            text_query.stride(0), text_query.stride(1), text_key.stride(0), text_key.stride(1), text_tokens, tokens,
-            heads, eps, D=dim, BLOCK=QK_BLOCK, HEADS=heads_per_program, TEXT=text, QUANT=qk_scales is not None,
-            num_warps=WARPS)
+            *words, norm_weights, _words(cos), _words(sin), norm_weights if qk_scales is None else qk_scales,
+            _words(q), _words(k), *(w.stride(i) for w in words for i in (0, 1)), text_tokens, tokens, heads, eps,
+            D=dim, BLOCK=QK_BLOCK, HEADS=heads_per_program, TEXT=text, QUANT=qk_scales is not None,
+            DTYPE=_triton_dtype(query.dtype), num_warps=WARPS)
     return q, k
 
 
@@ -337,6 +350,21 @@ def _triton(query, key, value, text_query, text_key, text_value, norm_weights, c
             text_value.stride(1), text_tokens, tokens, heads, blocks, 1.0 / fp8.FP8_MAX, fp8.MIN_AMAX, D=dim,
             BLOCK=V_BLOCK, TEXT=text_tokens > 0, num_warps=V_WARPS)
     return q8, k8, v8t, v_scale
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t [..., n] as words of two values [..., n / 2] (float32: int64, 16 bits: int32, float8: int16)."""
+    return t.view({4: torch.int64, 2: torch.int32, 1: torch.int16}[t.element_size()])
+
+
+def _triton_dtype(dtype: torch.dtype):
+    """The projections' dtype as Triton names it, or a refusal that names the ones the kernel takes."""
+    import triton.language as tl
+
+    known = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    if dtype not in known:
+        raise ValueError(f"attention_inputs: the projections must be bfloat16, float16 or float32, got {dtype}")
+    return known[dtype]
 
 
 def _check_rows(*projections) -> None:

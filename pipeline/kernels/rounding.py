@@ -1,5 +1,5 @@
 """Triton helpers shared by our kernels: a float32 value rounded to a 16-bit float, as the model's
-own ops round it.
+own ops round it; and pairs of values held in one word, read and written.
 
 Triton converts float32 to bfloat16 or float16 one value per instruction (F2F), and on Hopper that
 instruction runs on the same narrow unit as the exponentials and reciprocals (16 per clock per SM),
@@ -7,6 +7,12 @@ which a kernel such as the GELU's already keeps busy. The paired conversion (`cv
 `cvt.rn.f16x2.f32`: one F2FP instruction for two values) rounds to nearest even as the single one
 does, so `round_to` gives the same bytes with half the instructions, off that unit. Triton's
 interpreter (TRITON_INTERPRET=1, no PTX) gets the plain conversion: the same values.
+
+A kernel that treats a row's even and odd values differently (a rotary embedding's pairs) reads the
+row as words of two values and writes it the same way (`unpair`, `pair_to`): its even and odd values
+are then two tensors of one layout, where splitting a row of values in two would pass them through
+shared memory. The pair is rounded and packed by one conversion (`cvt.rn.bf16x2.f32`,
+`cvt.rn.satfinite.e4m3x2.f32`: the rounding and the saturation of the single conversions).
 """
 
 from __future__ import annotations
@@ -43,3 +49,61 @@ def round_to():
             return x.to(dtype).to(tl.float32)
 
     return round_to
+
+
+@functools.cache
+def pairs():
+    """-> the jitted (unpair, pair_to):
+    unpair(word, dtype): words each holding two values of `dtype` (float32: int64 words, else int32;
+    the lower address in the low bits) -> the two values as float32;
+    pair_to(lo, hi, dtype): two float32 tensors rounded to `dtype` (float8e4nv: saturating at +-448,
+    bfloat16, float16, float32) -> the words holding both (int16 for float8, int32, int64)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def unpair(word, dtype: tl.constexpr):
+        if dtype == tl.float32:
+            word = word.to(tl.uint64, bitcast=True)
+            lo = word.to(tl.uint32).to(tl.float32, bitcast=True)
+            hi = (word >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            word = word.to(tl.uint32, bitcast=True)
+            lo = word.to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
+            hi = (word >> 16).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def plain(lo, hi, dtype: tl.constexpr, bits: tl.constexpr, uint: tl.constexpr, word: tl.constexpr,
+              out: tl.constexpr):
+        lo = lo.to(dtype).to(uint, bitcast=True).to(word)
+        hi = hi.to(dtype).to(uint, bitcast=True).to(word)
+        return (lo | (hi << bits)).to(out, bitcast=True)
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        @triton.jit
+        def plain_pair_to(lo, hi, dtype: tl.constexpr):
+            if dtype == tl.float32:
+                return plain(lo, hi, dtype, 32, tl.uint32, tl.uint64, tl.int64)
+            elif dtype == tl.float8e4nv:
+                return plain(lo, hi, dtype, 8, tl.uint8, tl.uint16, tl.int16)
+            else:
+                return plain(lo, hi, dtype, 16, tl.uint16, tl.uint32, tl.int32)
+
+        return unpair, plain_pair_to
+
+    @triton.jit
+    def pair_to(lo, hi, dtype: tl.constexpr):
+        if dtype == tl.float32:
+            return plain(lo, hi, dtype, 32, tl.uint32, tl.uint64, tl.int64)
+        elif dtype == tl.float8e4nv:
+            return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [lo, hi],
+                                             dtype=tl.int16, is_pure=True, pack=1)
+        elif dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    return unpair, pair_to
