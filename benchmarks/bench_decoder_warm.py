@@ -60,7 +60,7 @@ def one_run(args: argparse.Namespace) -> dict:
                                               OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))
     adapter = build_model(cfg, device, dtype)
     built = time.perf_counter()
-    seconds = compile_decoder(adapter, args.chunk, (probe, probe))
+    seconds = compile_decoder(adapter, args.chunk, probe)
     latents = torch.randn(args.chunk, *adapter.latent_shape(side, side), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         images = adapter.decode(latents.to(device, dtype)).float().cpu()

@@ -6,28 +6,17 @@ and conf/model/flux_schnell.yaml, built on the GPU; bf16, TF32 off, cudnn.benchm
 
     python benchmarks/bench_flux.py --out outputs/benchmarks/bench_flux.json
 
-Variants (`--variants`), each compiled one on its own copy of the transformer, released before the next:
+Variants (`--variants`), each on its own copy of the adapter (our own blocks over the model's weights,
+a deep copy where the variant compiles diffusers' modules), released before the next:
 - `eager`: PyTorch's kernels, no graph;
 - `graph`: the same, replayed from our engine's CUDA graphs;
-- `compile`: bf16, the transformer's repeated blocks compiled (kernels=compiled: kernels.compile,
-  compile_scope=blocks, dynamic shapes, fixed tuning), replayed from our graphs;
-- `compile` joined with any of these by `+`, each a kernel setting made through apply_kernels as a job
-  makes it: `fp8` (kernels.fp8), `qkv` (kernels.fuse_qkv), `gelu` (kernels.fuse_gelu), `split`
-  (kernels.split_out_proj: the single-stream blocks' out-projection without the joined copy), `hoist`
-  (kernels.hoist_modulation: every step's modulation projections computed once per batch; its steps are
-  timed without that batch's table, which the cases include), `persist` (kernels.persistent_reductions:
-  layer norms and float8 quantizations as persistent reductions), `fa8` (kernels.fp8_attention: Flux's
-  attention in float8, a Triton kernel), `norm8` (kernels.fp8_norm: the blocks' first norms writing the
-  float8 layers' rows, a Triton kernel), `autotune`
-  (kernels.compile_mode=max-autotune-no-cudagraphs with compile_tuning=timed: inductor times its
-  matmul templates against cuBLAS), `descent` (kernels.compile_mode=coordinate-descent with
-  compile_tuning=timed: inductor times block sizes around its heuristics' for each Triton kernel, the
-  fused norms and float8 quantizations among them), `static` (kernels.compile_dynamic=false: one compilation per shape,
-  tuned for its sizes), `decoder` (kernels.compile_decoder with kernels.decode_chunk=1: the VAE decoder
-  compiled too, on the variant's own copy of the VAE; it changes the cases' decode, not the steps),
-  `cudnn` or `flash` (kernels.attention: that SDPA backend first; without either, PyTorch's own choice).
-  `fp8` with `gelu` is the GELU in the float8 quantization's Triton kernel (pipeline/kernels/fp8_gelu.py).
-  E.g. `fp8+compile`, `qkv+gelu+compile`, `gelu+decoder+compile`, `fp8+descent+compile`.
+- a kernel plan's name (pipeline/plans.py: `compiled`, `flux`, `flux-fp8`), its kernels set by
+  apply_kernels as a job sets them, replayed from our graphs; the fastest bf16 and float8 plans, `flux`
+  and `flux-fp8`, are what a job on FLUX.1 runs by default (`precision=fp8` for the second);
+- a plan with settings over it, joined by '+': `flux-fp8+fp8_norm=false`, `flux+compile_tuning=timed`
+  (any kernels.* key, as a job's command line gives it).
+A plan's decoder compile (kernels.compile_decoder) runs on the variant's own copy of the VAE; it
+changes the cases' decode, not the steps.
 
 1. Steps (FLUX.1-dev): one transformer step (`FluxAdapter.guided_eps`: pack, forward over B rows,
    unpack; guidance embedded) at each `--sides` px, batch `--batch`, per variant: median ms over
@@ -88,11 +77,11 @@ from bcg.engine import BCGEngine
 from benchmarks.bench_engine import bench_device, make_inputs
 from pipeline.bench import baseline_prompts, prompt_embeddings
 from pipeline.compare import psnr
-from pipeline.config import KernelsConfig, RuntimeConfig
+from pipeline.config import RuntimeConfig
 from pipeline.denoise import Denoiser
 from pipeline.generate import to_uint8
-from pipeline.kernels import QUANTIZE, REWRITES, check_kernels, decoder, with_attention
-from pipeline.kernels import compile as compile_kernels
+from pipeline.blocks import owns_blocks
+from pipeline.kernels import apply_kernels, with_attention
 from pipeline.kernels.attention import probe_attention
 from pipeline.kernels.compile import compile_stats, start_compile_workers
 from pipeline.manifest import Item
@@ -100,44 +89,16 @@ from pipeline.models import build_model, to_diffusers
 from pipeline.models.base import free_memory
 from pipeline.models.flux import FluxAdapter
 from pipeline.noise import batch_noise
+from pipeline.plans import PLANS, SETTINGS, KernelSettings
 from pipeline.profiling import profile_categories
 from pipeline.timing import environment, time_calls
 from pipeline.transfer import to_host
 
-# the fastest bf16 and float8 kernels (docs/kernels.md), what docs/BENCHMARKS.md#flux measures
-FASTEST = ("gelu+split+hoist+persist+qknorm+decoder+compile", "fp8+qkv+gelu+split+hoist+persist+fa8+norm8+decoder+compile")
+FASTEST = ("flux", "flux-fp8")  # the plans a job on FLUX.1 runs by default (bf16, precision=fp8)
 VARIANTS = ("eager", "graph", *FASTEST)  # the default --variants
 UNCOMPILED = ("eager", "graph")  # on the model itself
 INFLIGHT = RuntimeConfig().inflight_batches  # batches a job lets the device run while its host prepares the next
-# a compiled variant's parts besides `compile` -> the kernels.<key>=<value> settings each one makes
-PARTS = {"fp8": {"fp8": True}, "qkv": {"fuse_qkv": True}, "gelu": {"fuse_gelu": True}, "split": {"split_out_proj": True},
-         "hoist": {"hoist_modulation": True}, "persist": {"persistent_reductions": True}, "fa8": {"fp8_attention": True},
-         "norm8": {"fp8_norm": True},
-         "qknorm": {"fuse_qk_norm": True},
-         "autotune": {"compile_mode": "max-autotune-no-cudagraphs", "compile_tuning": "timed"},
-         "descent": {"compile_mode": "coordinate-descent", "compile_tuning": "timed"},
-         "static": {"compile_dynamic": False}, "decoder": {"compile_decoder": True, "decode_chunk": 1},
-         "cudnn": {"attention": "cudnn"}, "flash": {"attention": "flash"}}
-
-
-def exclusive_parts() -> tuple[tuple[str, ...], ...]:
-    """The parts that set the same kernels key (one group per key, in the keys' order, each group
-    once): a variant takes one of each group at most."""
-    by_key: dict[str, list[str]] = {}
-    for part, settings in PARTS.items():
-        for key in settings:
-            by_key.setdefault(key, []).append(part)
-    groups: list[tuple[str, ...]] = []
-    for key in sorted(by_key):
-        group = tuple(by_key[key])
-        if len(group) > 1 and group not in groups:
-            groups.append(group)
-    return tuple(groups)
-
-
-EXCLUSIVE_PARTS = exclusive_parts()  # kernels.attention's, kernels.compile_mode's (and compile_tuning's)
-COMPILED = {"attention": "auto", "compile": True, "compile_scope": "blocks", "compile_dynamic": True,
-            "compile_mode": "default", "compile_tuning": "fixed"}  # kernels=compiled as the steps call the model
+FLUX_PLANS = [name for name, plan in PLANS.items() if "flux" in plan.families and name != "eager"]
 PROMPTS = ["a lighthouse on a rocky coast at dusk", "a bowl of ramen, studio photo", "a red fox in fresh snow",
            "an old map of an imaginary island", "a glass of water on a wooden table", "a city street in the rain"]
 SEED = 100  # row k's seed: SEED + k, on both sides
@@ -190,7 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="flux_dev", help="the conf/model file of the dev cases and the steps (flux family)")
     p.add_argument("--schnell-model", default="flux_schnell", help="the conf/model file of the schnell case")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
-                   help=f"eager, graph, or compile joined by '+' with any of {list(PARTS)} (default: {' '.join(VARIANTS)})")
+                   help=f"eager, graph, or a plan of {FLUX_PLANS} with kernels.* settings joined by '+' (default: "
+                        f"{' '.join(VARIANTS)})")
     p.add_argument("--images", nargs="*", type=variant_name,
                    help="the variants that make each case's images, each one of --variants other than eager (default: "
                         f"those of {list(FASTEST)} among them, else every compiled one; none: no images, no diffusers calls)")
@@ -225,32 +187,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def variant_name(text: str) -> str:
-    """A --variants word, its parts in a canonical order (`compile+fp8` is `fp8+compile`), or an error
-    that names what is accepted."""
-    if text in UNCOMPILED:
-        return text
-    parts = text.split("+")
-    unknown = [part for part in parts if part not in PARTS and part != "compile"]
-    clash = any(sum(part in group for part in parts) > 1 for group in EXCLUSIVE_PARTS)
-    if unknown or "compile" not in parts or len(set(parts)) != len(parts) or clash:
-        raise argparse.ArgumentTypeError(f"{text!r}: a variant is eager, graph, or compile joined by '+' with any of "
-                                         f"{list(PARTS)}, each once and at most one of each of "
-                                         f"{' and '.join(str(list(g)) for g in EXCLUSIVE_PARTS)} "
-                                         "(e.g. fp8+compile, qkv+gelu+compile, cudnn+gelu+compile)")
-    return "+".join([part for part in PARTS if part in parts] + ["compile"])
+    """A --variants word: eager, graph, or a plan with `key=value` settings over it, each checked (the
+    settings exclude nothing, serve Flux), or an error that names what is accepted."""
+    if text not in UNCOMPILED:
+        try:
+            check_kernels_of(variant_kernels(text))
+        except (KeyError, ValueError) as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: a variant is eager, graph, or one of the plans {FLUX_PLANS} "
+                                             "with kernels.* settings over it joined by '+' (e.g. flux-fp8, "
+                                             f"flux+compile_tuning=timed): {err}") from None
+    return text
+
+
+def check_kernels_of(settings: KernelSettings) -> None:
+    from pipeline.kernels import check_kernels
+
+    check_kernels(settings, "flux")  # settings that exclude each other or need another; the device is the bench's
 
 
 def is_fp8(variant: str) -> bool:
-    """A variant with a float8 part (kernels.fp8, kernels.fp8_attention): its images differ from bf16's."""
-    return any(key.startswith("fp8") for part in variant.split("+") for key in PARTS.get(part, {}))
+    """A variant with float8 layers or attention: its images differ from bf16's."""
+    if variant in UNCOMPILED:
+        return False
+    settings = variant_kernels(variant)
+    return settings.fp8 or settings.fp8_attention
 
 
-def variant_kernels(variant: str) -> KernelsConfig:
-    """A compiled variant's kernels, as a job's kernels config."""
-    settings = dict(COMPILED)
-    for part in variant.split("+")[:-1]:
-        settings.update(PARTS[part])
-    return KernelsConfig(**settings)
+def variant_kernels(variant: str) -> KernelSettings:
+    """A plan variant's kernels, as a job resolves its plan and the kernels.* keys over it."""
+    plan, *given = variant.split("+")
+    overrides = {}
+    for item in given:
+        key, _, value = item.partition("=")
+        if key not in SETTINGS or not value:
+            raise ValueError(f"{item!r} is not kernels.<key>=<value>; the keys are {list(SETTINGS)}")
+        default = getattr(KernelSettings(), key)
+        overrides[key] = value == "true" if isinstance(default, bool) else type(default)(value) if default is not None \
+            else value
+    if plan not in FLUX_PLANS:
+        raise ValueError(f"no plan {plan!r} for Flux")
+    return PLANS[plan].resolved(**overrides)
 
 
 def model_conf(name: str, overrides: tuple[str, ...] = ()):
@@ -285,22 +261,20 @@ def retrace_for(attention: str) -> None:
     _traced_attention[0] = attention
 
 
-def variant_adapter(base: FluxAdapter, variant: str, shapes: int) -> tuple[FluxAdapter, dict]:
-    """`base` itself for eager and graph; otherwise a copy over a copy of its transformer with the
-    variant's kernels, set by the kernel modules a job's apply_kernels calls -> (adapter, what they reported)."""
+def variant_adapter(base: FluxAdapter, variant: str, shapes: int, device_checks: bool) -> tuple[FluxAdapter, dict]:
+    """`base` itself for eager and graph; otherwise a copy with the variant's kernels, set by
+    apply_kernels as a job sets them (our own blocks over the base's weights; a copy of its transformer
+    where diffusers' modules are compiled, of its VAE where the decoder is) -> (adapter, what it reported).
+    `device_checks` False: --smoke runs float8 on the CPU (torch's emulated matmul, the kernels' references)."""
     if variant in UNCOMPILED:
         return base, {}
     kernels = variant_kernels(variant)
-    check_kernels(kernels, "flux")  # settings that exclude each other or need another; the device is the bench's
     adapter = copy.copy(base)
-    adapter.transformer = copy.deepcopy(base.transformer)
+    if kernels.compile and not owns_blocks(kernels, "flux"):
+        adapter.transformer = copy.deepcopy(base.transformer)
     if kernels.compile_decoder:  # compiled on a copy: diffusers' calls and the other variants keep the eager decoder
         adapter.vae = copy.deepcopy(base.vae)
-    report = {}
-    for module in (*REWRITES, *QUANTIZE):  # apply_kernels' order, without its device check: --smoke runs float8 on the CPU
-        report.update(module.apply(kernels, adapter))
-    report.update(compile_kernels.apply(kernels, adapter, shapes))
-    report.update(decoder.apply(kernels, adapter, None))  # compiled at the case's warm-up decode (generate)
+    report = apply_kernels(kernels, adapter, None, shapes, device_checks=device_checks)
     log.info("%s: %s", variant, report)
     return adapter, report
 
@@ -564,7 +538,7 @@ def variant_stage(base: FluxAdapter, variant: str, which: str, sides: list[int],
     if compiled:
         retrace_for(attention_of(variant))  # before the snapshot: a reset clears dynamo's compile times
     since = compile_stats()
-    adapter, report = variant_adapter(base, variant, recompile_budget(args))
+    adapter, report = variant_adapter(base, variant, recompile_budget(args), device_checks=not args.smoke)
     if compiled:
         results["kernels"][variant] = report
         step_rows(adapter, variant, which, sides, args, device, results)
@@ -598,7 +572,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = bench_device()
     if any(v not in UNCOMPILED for v in args.variants):
-        start_compile_workers(KernelsConfig(compile=True), device)  # they come up while the model is built
+        start_compile_workers(KernelSettings(compile=True), device)  # they come up while the model is built
     results: dict = {"environment": environment(device, args), "models": {}, "steps": [], "cases": {}, "compiles": {},
                      "kernels": {}}
     start = time.perf_counter()

@@ -9,7 +9,7 @@ On the GPU, from the repository root (random weights, bf16, TF32 off, cudnn.benc
    16 heads, 4096 tokens, head dim 72): milliseconds and TFLOP/s (4*B*H*N^2*D FLOPs).
 3. One CFG step (`PixArtAdapter.guided_eps`, 2B rows) at `--side` px and bucket `--bucket`, replayed
    from our engine's graph, per kernel variant (`pipeline.kernels`: attention backend, torch.compile
-   dynamic or static, whole model or blocks, fused projections, fp8; see `variant_kernels`): median
+   dynamic or static, whole model or blocks, fused projections, the GELU epilogue, PixArt's own residual blocks; see `variant_kernels`): median
    ms, TFLOP/s from the step's FLOPs (torch.utils.flop_counter, matmuls and attention) and the share
    of the matmul rate; compile seconds; whether replay equals the (compiled) eager call bit for bit.
 4. `bcg.scope` with the fastest variant at 512 px, 1 prompt, 20 steps: forward vs loop ms per image.
@@ -23,6 +23,7 @@ CPU check (tiny model, no graphs, no compile): `python benchmarks/bench_kernels.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import sys
@@ -45,7 +46,7 @@ from benchmarks.bench_engine import (
     save_and_report,
 )
 from benchmarks.bench_scopes import make_denoiser, random_batch, time_denoise
-from pipeline.config import KernelsConfig
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
 from pipeline.kernels import (
     CONTIGUOUS_HOOK,
@@ -61,19 +62,18 @@ from pipeline.timing import environment, time_calls
 # (dynamic shapes, whole model), static (one compile per shape), blocks (regional compile), autotune
 # (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
 # kernels); both time their choices (kernels.compile_tuning=timed), every other compile takes
-# compile_tuning=fixed (block sizes from inductor's heuristics); fuse (fused q|k|v projections), fp8 (kernels.fp8:
-# rowwise-scaled float8 matmuls),
-# gelu (the feed-forward's GELU in the matmul's epilogue), residual (kernels.fuse_residual; with
-# compile, its layer norms and constants only: compile_scope=norms).
-# fuse and fp8 change the run's one model for good: see ModelState.
-DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+fp8+compile"]
-OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "fp8", "gelu", "residual")
+# compile_tuning=fixed (block sizes from inductor's heuristics); fuse (fused q|k|v projections),
+# gelu (the feed-forward's GELU in the matmul's epilogue), residual (kernels.fuse_residual: PixArt's own
+# blocks, on a copy of the adapter; with compile, their layer norms and constants only: compile_scope=norms).
+# fuse and gelu change the run's one model for good: see ModelState.
+DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+gelu+residual"]
+OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "gelu", "residual")
 COMPILE_OPTIONS = ("static", "blocks", "autotune", "tune")
 MODES = {"autotune": "max-autotune-no-cudagraphs", "tune": "coordinate-descent"}
 
 
-def asked_variants(names: list[str]) -> dict[str, KernelsConfig]:
-    """Every variant's KernelsConfig; SystemExit naming every mistyped one at once."""
+def asked_variants(names: list[str]) -> dict[str, KernelSettings]:
+    """Every variant's KernelSettings; SystemExit naming every mistyped one at once."""
     asked, mistakes = {}, []
     for name in names:
         try:
@@ -85,8 +85,8 @@ def asked_variants(names: list[str]) -> dict[str, KernelsConfig]:
     return asked
 
 
-def variant_kernels(name: str) -> KernelsConfig:
-    """'cudnn+fuse+compile+static' -> the KernelsConfig it names ('-' works as '+': cudnn+compile-static)."""
+def variant_kernels(name: str) -> KernelSettings:
+    """'cudnn+fuse+compile+static' -> the KernelSettings it names ('-' works as '+': cudnn+compile-static)."""
     attention, *options = name.replace("-", "+").split("+")
     backends = [*SDPA, "auto"]
     if attention not in backends:
@@ -103,31 +103,35 @@ def variant_kernels(name: str) -> KernelsConfig:
     if "residual" in options and "blocks" in options:
         raise SystemExit(f"variant {name!r}: residual compiles its layer norms only (compile_scope=norms); drop +blocks")
     scope = "norms" if "residual" in options else "blocks" if "blocks" in options else "model"
-    return KernelsConfig(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
+    return KernelSettings(attention=attention, compile="compile" in options, compile_dynamic="static" not in options,
                          compile_scope=scope, fuse_residual="residual" in options,
                          compile_mode=modes[0] if modes else "default", compile_tuning="timed" if modes else "fixed",
-                         fuse_qkv="fuse" in options, fp8="fp8" in options, fuse_gelu="gelu" in options)
+                         fuse_qkv="fuse" in options, fuse_gelu="gelu" in options)
 
 
 @dataclass
 class ModelState:
     """What earlier variants of this run did to its one model. Fusing removes the unfused projections
-    and float8 replaces the weights, so neither can be undone, and fusing float8 weights would be
-    wrong: a variant that needs a state behind the model's is skipped, with the command to run it."""
+    and the GELU epilogue swaps the activation modules, so neither can be undone: a variant that needs a
+    state behind the model's is skipped, with the command to run it (our own blocks, kernels.fuse_residual,
+    are built on a copy of the adapter and leave the model as it was)."""
 
     fused: bool = False
-    fp8: bool = False
+    gelu: bool = False
     reference: torch.Tensor | None = None  # the first variant's output, for the error column
 
-    def changes_for(self, name: str, want: KernelsConfig) -> KernelsConfig:
+    def changes_for(self, name: str, want: KernelSettings) -> KernelSettings:
         """`want` with only the changes still to make (UserError: the state it needs is behind us)."""
-        if (self.fused and not want.fuse_qkv) or (self.fp8 and (not want.fp8 or want.fuse_qkv != self.fused)):
-            raise UserError(f"needs the model before earlier variants fused or quantized it: run it in its own "
-                            f"command (--variants {name})")
-        return replace(want, fuse_qkv=want.fuse_qkv and not self.fused, fp8=want.fp8 and not self.fp8)
+        if (self.fused and not want.fuse_qkv) or (self.gelu and not want.fuse_gelu):
+            raise UserError(f"needs the model before earlier variants fused its projections or GELUs: run it in its "
+                            f"own command (--variants {name})")
+        owned = want.fuse_residual  # its blocks take the GELU themselves, from the activation's projection
+        return replace(want, fuse_qkv=want.fuse_qkv and not self.fused,
+                       fuse_gelu=want.fuse_gelu and (owned or not self.gelu))
 
-    def applied(self, done: KernelsConfig) -> None:
-        self.fused, self.fp8 = self.fused or done.fuse_qkv, self.fp8 or done.fp8
+    def applied(self, done: KernelSettings) -> None:
+        self.fused = self.fused or done.fuse_qkv
+        self.gelu = self.gelu or (done.fuse_gelu and not done.fuse_residual)
 
 
 def matmul_rate(device: torch.device, iters: int, n: int) -> float:
@@ -284,6 +288,7 @@ def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, it
     check_kernels(variant_kernels(name), adapter.family, device)  # as asked, before the model's state strips it
     kernels = state.changes_for(name, variant_kernels(name))
     reset_compile(adapter)
+    adapter = copy.copy(adapter)  # our own blocks (kernels.fuse_residual) replace the copy's transformer only
     start = time.perf_counter()
     report = apply_kernels(kernels, adapter, (side, side), shapes=4)
     state.applied(kernels)
@@ -300,7 +305,7 @@ def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, it
         err = (eager.float() - state.reference).norm() / state.reference.norm()
     row = {"ms": round(ms, 3), "setup_s": round(setup_s, 2), "first_pass_s": round(engine.metrics.first_pass_s, 2),
            "replay_equals_eager": same, "attention_calls": report.get("attention_calls_per_forward"),
-           "rel_err_vs_first": round(float(err), 5), "fused": state.fused, "fp8": state.fp8}
+           "rel_err_vs_first": round(float(err), 5), "fused": state.fused, "gelu_epilogue": state.gelu}
     if profile:
         row["profile_ms"], row["profile_top"] = profile_categories(lambda: fn(inputs), device)
     engine.close()
@@ -416,17 +421,17 @@ def main(argv: list[str] | None = None) -> dict:
     results["step_tflop"] = sum(results["step_flops_by_kind"].values()) / 1e12
     results["variants"] = {}
     variants = [v for v in args.variants if device.type == "cuda" or not asked[v].compile]
-    # Fused projections, then fp8, change the model for every later variant: they run last.
-    variants = sorted(variants, key=lambda v: (asked[v].fp8, asked[v].fuse_qkv))
+    # Fused projections and GELU epilogues change the model for every later variant: they run last.
+    variants = sorted(variants, key=lambda v: (asked[v].fuse_gelu and not asked[v].fuse_residual, asked[v].fuse_qkv))
     state = ModelState()
     if not args.no_scopes and device.type == "cuda" and not smoke:
         reset_compile(adapter)
-        apply_kernels(KernelsConfig(attention="cudnn", compile=True), adapter, None, shapes=4)
+        apply_kernels(KernelSettings(attention="cudnn", compile=True), adapter, None, shapes=4)
         results["scopes_fast"] = bench_scopes_fast(adapter, device, args.steps, max(args.iters // 2, 3))
     for name in variants:
         try:
             results["variants"][name] = bench_variant(adapter, name, side, bucket, inputs, device, args.iters, state, args.profile)
-        except UserError as err:  # fp8 without float8 tensor cores; a model state behind us
+        except UserError as err:  # a setting this device cannot run; a model state behind us
             results["variants_skipped"] = {**results.get("variants_skipped", {}), name: str(err)}
             continue
         save_partial(results, args.out)

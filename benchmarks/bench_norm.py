@@ -2,7 +2,7 @@
 
     python benchmarks/bench_norm.py --out outputs/benchmarks/bench_norm.json
 
-On a CUDA GPU: residual.modulated_norm ([M, 1152] bf16 rows, fp32 pending, bf16 scale and shift) as
+On a CUDA GPU: pipeline.blocks.pixart.modulated_norm ([M, 1152] bf16 rows, fp32 pending, bf16 scale and shift) as
 - `inductor-fixed`: compiled as kernels=fast compiled it before its Triton kernel (dynamic rows,
   NORM_ROWS_HINT, fixed tuning, dynamo's TRACED_ONCE settings);
 - `inductor-fixed-hint-H`: the same with another row-count hint H;
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from pipeline.kernels import norm as triton_norm
-from pipeline.kernels import residual
+from pipeline.blocks import pixart as residual
 from pipeline.kernels.compile import TRACED_ONCE, compile_options
 
 CHANNELS = 1152

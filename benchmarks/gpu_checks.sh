@@ -13,18 +13,17 @@
 #                                                # bucket; capture time and graph pool bytes
 #   bash benchmarks/gpu_checks.sh bench-200      # +job=bench (its own kernels and ladder; KERNELS overrides them)
 #                                                # on the 200-row manifest: our job against diffusers' pipeline
-#   bash benchmarks/gpu_checks.sh fp8            # kernels.fp8 true vs false on the 60-row manifest (PixArt-Sigma): images/s,
-#                                                # and PSNR and worst difference of the images (cuDNN attention, the
-#                                                # blocks compiled either way; fp8 excludes fuse_gelu)
 #   bash benchmarks/gpu_checks.sh flux           # the Flux cuda tests, then bench_flux.py: FLUX.1-dev's transformer step at
 #                                                # 1024 and 512 px, batch 1: eager, our graph, the fastest bf16 and fp8
 #                                                # kernels; then diffusers' FluxPipeline against ours (those kernels,
 #                                                # under our graphs) in the same run: FLUX.1-dev 1024 px batch 1
 #                                                # and 4, 512 px batch 1, FLUX.1-schnell 1024 px batch 1: s/image, fp8
 #                                                # against bf16 images (PSNR), ours against diffusers', peak memory
-#                                                # (FLUX_ARGS="--variants gelu+compile ..." for other variants)
-#   bash benchmarks/gpu_checks.sh flux-job       # +job=bench with FLUX.1-dev, 2 rows at 1024 px, float8, text encoders
-#                                                # offloaded: against diffusers, and stats.json's gpu_memory (peak)
+#                                                # (FLUX_ARGS="--variants flux+compile_decoder=false ..." for others)
+#   bash benchmarks/gpu_checks.sh flux-job       # the product's command, +job=bench model=flux_dev, on the 8 rows of
+#                                                # jobs/manifests/flux_1024.parquet: diffusers' FluxPipeline saved once
+#                                                # per batch size, then our job against it: bf16 and precision=fp8 at
+#                                                # batch 1, precision=fp8 at batch 4; float8 images against bf16's
 #   bash benchmarks/gpu_checks.sh kernels-1024   # bench_kernels.py at 1024 px, 8 prompts: a CFG step's ms and share of
 #                                                # the matmul rate per kernel variant, time by kernel category, top
 #                                                # kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others;
@@ -37,7 +36,7 @@
 #                                                # cache (COMPILE_CACHE=dir: that cache)
 #   bash benchmarks/gpu_checks.sh compile-cache  # the 60-row job twice with one fresh kernels.compile_cache_dir:
 #                                                # cold, then warm (KERNELS with kernels.compile=true for a compile)
-#   bash benchmarks/gpu_checks.sh startup        # tests/test_startup_cuda.py (kernels=fast: resumed and sharded jobs give
+#   bash benchmarks/gpu_checks.sh startup        # tests/test_startup_cuda.py (default plans: resumed and sharded jobs give
 #                                                # one process's bytes), then bench_startup.py on the 60-row manifest:
 #                                                # start-up stages cold and warm (a resumed job), the resumed job's and
 #                                                # two concurrent shards' images against one process's, and two jobs
@@ -60,10 +59,6 @@
 #   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it twice with
 #                                                # one fresh kernels.compile_cache_dir: cold (empty), then warm (the
 #                                                # first run's cache), as a job's first and later processes
-#   bash benchmarks/gpu_checks.sh fp8-200        # after cache-200: PixArt-Sigma with kernels.fp8 (compiled blocks) against
-#                                                # the same baseline, and its images against cache-200's bf16 (PSNR)
-#   bash benchmarks/gpu_checks.sh fp8-1000       # PixArt-Sigma on the 1,000-row manifest, no baseline: kernels=fast, then
-#                                                # with kernels.fp8 (compiled blocks): images/s each, fp8 against bf16 (PSNR)
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -131,17 +126,6 @@ bench_200() {
   bench_summary "bench 200 rows ${KERNELS:-}" $b200_rc "$BENCH_OUT/bench_200.log"
 }
 
-fp8() {
-  for fp8 in false true; do
-    rm -rf /tmp/fp8-$fp8
-    timeout -s KILL ${FP8_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline=false kernels=default kernels.attention=cudnn kernels.compile=true kernels.compile_scope=blocks kernels.trim_text_padding=false bcg/ladder=pow2_8 kernels.fp8=$fp8 manifest.path=jobs/manifests/bench_tiny.parquet output.dir=/tmp/fp8-$fp8 > "$BENCH_OUT/fp8_$fp8.log" 2>&1; eval "fp8_${fp8}_rc=$?"
-    cp /tmp/fp8-$fp8/stats.json "$BENCH_OUT/fp8_$fp8.json" 2>/dev/null
-  done
-  python3 -m pipeline.compare /tmp/fp8-false /tmp/fp8-true --json "$BENCH_OUT/fp8_vs_bf16.json" > "$BENCH_OUT/fp8_vs_bf16.log" 2>&1; compare_rc=$?
-  echo "== fp8 vs bf16"; rc $fp8_false_rc; rc $fp8_true_rc; rc $compare_rc; cat "$BENCH_OUT/fp8_vs_bf16.log"
-  for f in "$BENCH_OUT"/fp8_false.json "$BENCH_OUT"/fp8_true.json; do stats_summary "$f" "$f"; done
-  tail -n2 "$BENCH_OUT"/fp8_true.log | cut -c1-300
-}
 
 flux() {
   timeout -s KILL ${FLUX_TESTS_LIMIT:-120} python3 -m pytest -p no:cacheprovider -v -rs -m cuda tests/test_models_cuda.py > "$BENCH_OUT/pytest_flux_cuda.log" 2>&1; flux_tests_rc=$?
@@ -153,13 +137,23 @@ flux() {
   tail_if_failed $flux_rc "$BENCH_OUT/bench_flux.log"
 }
 
-flux_job() {  # +job=bench with FLUX.1-dev on 2 rows at 1024 px, float8, text encoders offloaded: gpu_memory
-  python3 -c "import pyarrow as pa, pyarrow.parquet as pq; pq.write_table(pa.table({'id': ['f0', 'f1'], 'prompt': ['a lighthouse on a rocky coast at dusk', 'a red fox in fresh snow'], 'width': [1024, 1024], 'height': [1024, 1024], 'seed': [100, 101]}), '/tmp/flux2.parquet')"
-  rm -rf /tmp/flux-job
-  timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run +job=bench model=flux_dev manifest.path=/tmp/flux2.parquet output.dir=/tmp/flux-job sampler.steps=28 sampler.guidance_scale=3.5 kernels=compiled kernels.fp8=true kernels.trim_text_padding=false model.offload_text_encoder=true bcg.ladder=[1] bench.baseline_batch=1 "${kernels[@]}" > "$BENCH_OUT/flux_job.log" 2>&1; local code=$?
-  cp /tmp/flux-job/stats.json "$BENCH_OUT/flux_job_stats.json" 2>/dev/null; cp /tmp/flux-job/bench.json "$BENCH_OUT/flux_job_bench.json" 2>/dev/null
-  bench_summary "flux job, 2 rows at 1024 px, fp8, text encoders offloaded ${KERNELS:-}" $code "$BENCH_OUT/flux_job.log"
-  grep -E "^GPU memory" "$BENCH_OUT/flux_job.log" | cut -c1-300
+flux_job() {  # the product's command on FLUX.1-dev: its default plans, bf16 and precision=fp8, against diffusers
+  local manifest=jobs/manifests/flux_1024.parquet cache=/tmp/flux-cache common
+  common=(+job=bench model=flux_dev manifest.path=$manifest kernels.compile_cache_dir=$cache)
+  rm -rf /tmp/flux-base-* /tmp/flux-ours-* $cache
+  for batch in 1 4; do  # diffusers' pipeline alone, its timing and reference images saved per batch size
+    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" bench.baseline_only=true bench.baseline_batch=$batch output.dir=/tmp/flux-base-b$batch > "$BENCH_OUT/flux_base_b$batch.log" 2>&1; local code=$?
+    echo "== flux baseline, batch $batch"; rc $code; grep -E "baseline" "$BENCH_OUT/flux_base_b$batch.log" | tail -2 | cut -c1-300; tail_if_failed $code "$BENCH_OUT/flux_base_b$batch.log"
+  done
+  for run in "bf16 1" "fp8 1" "fp8 4"; do
+    read -r precision batch <<< "$run"
+    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/flux-base-b$batch output.dir=/tmp/flux-ours-$precision-b$batch "${kernels[@]}" > "$BENCH_OUT/flux_$precision-b$batch.log" 2>&1; local code=$?
+    cp /tmp/flux-ours-$precision-b$batch/bench.json "$BENCH_OUT/flux_$precision-b${batch}_bench.json" 2>/dev/null
+    cp /tmp/flux-ours-$precision-b$batch/stats.json "$BENCH_OUT/flux_$precision-b${batch}_stats.json" 2>/dev/null
+    bench_summary "flux job, 8 rows at 1024 px, precision=$precision, batch $batch ${KERNELS:-}" $code "$BENCH_OUT/flux_$precision-b$batch.log"
+  done
+  python3 -m pipeline.compare /tmp/flux-ours-bf16-b1 /tmp/flux-ours-fp8-b1 --json "$BENCH_OUT/flux_fp8_vs_bf16.json" > "$BENCH_OUT/flux_fp8_vs_bf16.log" 2>&1; local code=$?
+  echo "== flux fp8 vs bf16 images"; rc $code; tail -6 "$BENCH_OUT/flux_fp8_vs_bf16.log" | cut -c1-300
 }
 
 kernels_1024() {
@@ -275,29 +269,11 @@ cache_200() {
   ours_200 warm $cache "${kernels[@]}"
 }
 
-fp8_200() {
-  ours_200 fp8 "$(mktemp -d /tmp/inductor-fp8.XXXX)" kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile=true kernels.compile_scope=blocks "${kernels[@]}"
-  python3 -m pipeline.compare /tmp/bench-200-cold /tmp/bench-200-fp8 --json "$BENCH_OUT/fp8_200_vs_bf16.json" > "$BENCH_OUT/fp8_200_vs_bf16.log" 2>&1; local code=$?
-  echo "== fp8 vs bf16 images, 200 rows"; rc $code; tail -8 "$BENCH_OUT/fp8_200_vs_bf16.log"
-}
 
-fp8_1000() {  # PixArt-Sigma on the 1,000-row manifest without a baseline: kernels=fast (bf16), then with fp8; images compared
-  local name
-  for name in bf16 fp8; do
-    local extra=()
-    [ $name = fp8 ] && extra=(kernels.fp8=true kernels.fuse_residual=false kernels.fuse_gelu=false kernels.compile=true kernels.compile_scope=blocks)
-    rm -rf /tmp/fp8-1000-$name
-    timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run +job=bench bench.baseline=false output.dir=/tmp/fp8-1000-$name kernels.compile_cache_dir=$(mktemp -d /tmp/inductor-1000.XXXX) "${extra[@]}" "${kernels[@]}" > "$BENCH_OUT/fp8_1000_$name.log" 2>&1; local code=$?
-    cp /tmp/fp8-1000-$name/stats.json "$BENCH_OUT/fp8_1000_${name}_stats.json" 2>/dev/null
-    echo "== 1,000 rows, $name ${extra[*]} ${KERNELS:-}"; rc $code; stats_summary $name "$BENCH_OUT/fp8_1000_${name}_stats.json"; tail_if_failed $code "$BENCH_OUT/fp8_1000_$name.log"
-  done
-  python3 -m pipeline.compare /tmp/fp8-1000-bf16 /tmp/fp8-1000-fp8 --json "$BENCH_OUT/fp8_1000_vs_bf16.json" > "$BENCH_OUT/fp8_1000_vs_bf16.log" 2>&1; local code=$?
-  echo "== fp8 vs bf16 images, 1,000 rows"; rc $code; tail -8 "$BENCH_OUT/fp8_1000_vs_bf16.log"
-}
 
 shards() {
   rm -rf /tmp/bench-shards
-  timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
+  timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels.plan=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
   echo "== shards: one process, then the README's multi-GPU command ${SHARDS_ARGS:-} ${KERNELS:-}"; rc $shards_rc; grep -E "^\| (ids|success|single|sharded|speedup|per_shard|images_vs)" "$BENCH_OUT/shards.log" | tail -7 | cut -c1-700
   tail_if_failed $shards_rc "$BENCH_OUT/shards.log"
 }
@@ -309,7 +285,6 @@ for what in "${@:-cuda-tests}"; do
     diffusers) diffusers ;;
     engine) engine ;;
     bench-200) bench_200 ;;
-    fp8) fp8 ;;
     flux) flux ;;
     flux-job) flux_job ;;
     kernels-1024) kernels_1024 ;;
@@ -325,8 +300,6 @@ for what in "${@:-cuda-tests}"; do
     recompiles) recompiles ;;
     writer-formats) writer_formats ;;
     cache-200) cache_200 ;;
-    fp8-200) fp8_200 ;;
-    fp8-1000) fp8_1000 ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac

@@ -35,14 +35,14 @@ import torch
 from PIL import Image
 
 from bcg.memory import mib
-from pipeline.config import JobConfig, check_choices
+from pipeline.config import JobConfig, check_choices, fill_sampler_defaults
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
 from pipeline.calibrate import SAVED
-from pipeline.kernels import check_kernels, start_compile_workers
+from pipeline.kernels import start_compile_workers
 from pipeline.models import build_model, to_diffusers
 from pipeline.models.base import Adapter
-from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.precision import apply_precision, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.prompts import negative_or_default
 from pipeline.report import PartReport
@@ -61,10 +61,11 @@ ENCODE_CHUNK = 16
 
 @job_scope()  # the baseline sets precision and builds the model too
 def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
-    from pipeline.job import check_job_kernels, read_valid_manifest, run
+    from pipeline.job import job_plan, read_valid_manifest, run
 
     began = time.perf_counter()
     # What the job would refuse, refused before the baseline spends its minutes.
+    fill_sampler_defaults(cfg.sampler, cfg.model)
     check_choices(cfg)
     manifest, _, _ = read_valid_manifest(cfg)
     items = manifest.items()
@@ -77,25 +78,25 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
                         "bench.baseline=true (+job=bench sets it)")
     if cfg.bench.baseline_only and cfg.bench.baseline_from:
         raise UserError("bench.baseline_only=true runs the baseline, bench.baseline_from uses a saved one: set one of them")
-    fingerprint = baseline_fingerprint(cfg, items)
+    device = resolve_device(cfg.runtime.device, 0)
+    precision = resolve_precision(cfg.precision.dtype, device)
+    fingerprint = baseline_fingerprint(cfg, items, precision.dtype)
     saved = load_baseline(Path(cfg.bench.baseline_from), fingerprint) if cfg.bench.baseline_from else None
     out_dir = Path(cfg.output.dir)
     if (out_dir / SHARDS_DIR).is_dir() and any((out_dir / SHARDS_DIR).iterdir()) or (out_dir / SAVED).exists():
         raise UserError(f"+job=bench needs an empty output.dir: {out_dir} already holds committed batches or a "
                         "ladder choice, which our job would reuse and the comparison would not count")
-    device = resolve_device(cfg.runtime.device, 0)
-    check_job_kernels(cfg, device)
+    plan = job_plan(cfg, device, precision)
     if not cfg.bench.baseline_only:
-        start_compile_workers(cfg.kernels, device)  # they come up while the model is built
+        start_compile_workers(plan.settings, device)  # they come up while the model is built
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
+    apply_precision(precision, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
     building = time.perf_counter()
-    adapter = build_model(cfg.model, device, DTYPES[cfg.precision.dtype])
+    adapter = build_model(cfg.model, device, precision.torch_dtype)
     build_s = time.perf_counter() - building
     if adapter.family not in TEXT_FAMILIES:
         raise UserError(f"bench.baseline=true supports the text-to-image families {list(TEXT_FAMILIES)}, not {adapter.family!r}")
-    check_kernels(cfg.kernels, adapter.family)
 
     if saved is None:
         baseline, reference = diffusers_baseline(adapter, items, cfg.sampler.steps, cfg.sampler.guidance_scale,
@@ -212,10 +213,11 @@ def baseline_prompts(rows, embeddings: dict | None, negatives: bool) -> dict:
     return out
 
 
-def baseline_fingerprint(cfg: JobConfig, items) -> str:
-    """What the baseline's timing and images depend on: the rows, the model, precision, steps,
-    guidance and prompts per call (not our kernels or ladder)."""
-    what = {"rows": [it.fields() for it in items], "model": asdict(cfg.model), "dtype": cfg.precision.dtype,
+def baseline_fingerprint(cfg: JobConfig, items, dtype: str) -> str:
+    """What the baseline's timing and images depend on: the rows, the model, its dtype (bf16 for
+    precision=fp8: diffusers' pipeline has no float8), steps, guidance and prompts per call (not our
+    kernels or ladder)."""
+    what = {"rows": [it.fields() for it in items], "model": asdict(cfg.model), "dtype": dtype,
             "steps": cfg.sampler.steps, "guidance": cfg.sampler.guidance_scale, "batch": cfg.bench.baseline_batch}
     if cfg.sampler.true_cfg_scale != 1.0:
         what["true_cfg_scale"] = cfg.sampler.true_cfg_scale

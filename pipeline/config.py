@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -23,6 +24,8 @@ from pipeline.errors import UserError
 from pipeline.exit_codes import text_table
 from pipeline.manifest import check_manifest_file
 from pipeline.paths import absolute, asset, check_writable_dir
+from pipeline.model_info import sampler_defaults
+from pipeline.plans import AUTO, PLANS, KernelSettings
 
 
 @dataclass
@@ -53,15 +56,21 @@ class ModelConfig:
     max_side: Optional[int] = None
     # Encode every prompt of the plan first, then free the text encoders (log says so once).
     offload_text_encoder: bool = False
+    # The checkpoint's own sampler settings, which sampler.steps and sampler.guidance_scale take where
+    # the user gives none; null: its diffusers pipeline's defaults (pipeline.model_info).
+    steps: Optional[int] = None
+    guidance_scale: Optional[float] = None
 
 
 @dataclass
 class SamplerConfig:
     # "default": the checkpoint's own diffusers scheduler.
     name: str = "default"
-    steps: int = 20
+    # null: the model's own (model.steps, model.guidance_scale, else its pipeline's defaults); the job
+    # fills them in at start, so the recorded config, the log and every row say what ran.
+    steps: Optional[int] = None
     # CFG's scale; for FLUX.1-dev the value its guidance embedding reads (FLUX.1-schnell has none).
-    guidance_scale: float = 4.5
+    guidance_scale: Optional[float] = None
     # Guidance-distilled families (flux): 1.0 runs one forward per row; above 1, diffusers' true CFG
     # (a forward over [negative; positive], 2B rows, combined with this scale; negative prompts allowed).
     true_cfg_scale: float = 1.0
@@ -87,91 +96,21 @@ class BCGConfig:
     batch_overhead_rows: float = 1.0
 
 
-@dataclass
-class KernelsConfig:
-    # auto: PyTorch SDPA's own choice; cudnn | flash | efficient | math: that SDPA backend first
-    # (the others serve only calls it cannot); flash_attn: the flash-attn package (extra `flash`).
-    # The job reports which backend served each attention call.
-    attention: str = "auto"
-    # torch.compile the transformer (inductor, static shapes, no inductor CUDA graphs) under our capture.
-    compile: bool = False
-    # default | coordinate-descent (inductor times each generated kernel's block sizes at compile:
-    # longer compiles, tuned layer norms and pointwise kernels) | max-autotune-no-cudagraphs (that and
-    # Triton matmul templates timed against cuBLAS: far longer compiles).
-    compile_mode: str = "default"
-    # Who picks the generated kernels' block sizes where they change the rounding (a reduction's block
-    # sizes and warps, matmul templates): fixed (inductor's deterministic mode: its heuristics, from
-    # the kernel's sizes; the same kernels in every process, so the same bytes in every shard, resume
-    # and job; coordinate-descent then tunes pointwise kernels only) | timed (inductor times the
-    # candidates at the first run: faster kernels, but timing noise can pick others in another
-    # process; the job's processes share the choice through the compile cache, docs/kernels.md).
-    compile_tuning: str = "fixed"
-    # One compilation with symbolic batch and token counts for every shape (true), or one per
-    # (resolution, bucket) (false: specialised kernels, a compile each).
-    compile_dynamic: bool = True
-    # model: compile the whole transformer; blocks: its repeated block once, reused by every block
-    # (regional compilation: far shorter compiles, no fusion across blocks); norms (with
-    # fuse_residual): what that block leaves to fuse (its per-step constants; off CUDA its layer norms).
-    compile_scope: str = "model"
-    # diffusers' fused projections: one q|k|v matmul per self-attention, one k|v per cross-attention
-    # (PixArt, SD3). Same math in wider matmuls, whose rounding may differ.
-    fuse_qkv: bool = False
-    # With compile: every reduction over a row of up to 16,384 values (layer norms, the float8
-    # quantization) as one program that holds the row, which reads it once, where inductor loops over
-    # rows wider than 1,024 and reads them twice. Another order of the sum: a setting.
-    persistent_reductions: bool = False
-    # The transformer blocks' linear layers as rowwise-scaled float8 matmuls (torch._scaled_mm; weights
-    # quantized once, activations per row at each call; CUDA sm89+; PixArt, Flux). Fast under compile.
-    fp8: bool = False
-    # The feed-forward's up-projection, bias and tanh GELU as one cuBLASLt matmul with a GELU epilogue
-    # (CUDA): one pass less over the widest activation; GELU rounds once, from the fp32 accumulator.
-    # With fp8: the GELU and the float8 quantization of its output as one Triton kernel, which reads
-    # each row once (the float8 matmul has no GELU epilogue).
-    fuse_gelu: bool = False
-    # Flux: the attention's two matmuls in float8 (a Triton flash-attention kernel; queries and keys
-    # scaled by the bound their RMS norms set, values per block of 128 tokens; CUDA sm89+). Images differ.
-    fp8_attention: bool = False
-    # Flux with kernels.fp8: each block's modulated layer norms, whose output only float8 layers read
-    # (a double block's second ones with the residual add before them), write it as float8 rows: the
-    # norm, its modulation and the rowwise quantization in one Triton kernel (CUDA sm89+; the CPU runs
-    # the torch ops). A row's sums may add in another order.
-    fp8_norm: bool = False
-    # Flux: the attention's per-head RMS norms of queries and keys, the join of text and image tokens
-    # and the rotary embedding in one Triton kernel that reads the projections where they lie (CUDA;
-    # the CPU runs diffusers' ops). A norm's sum may add in another order. Within fp8_attention already.
-    fuse_qk_norm: bool = False
-    # PixArt: each block's residual adds done by the matmuls (cuBLAS adds into the residual stream;
-    # the gates folded into the weights once per step, the biases carried to the next layer norm):
-    # three elementwise passes less per block. Needs compile_scope=norms with kernels.compile.
-    fuse_residual: bool = False
-    # Flux: each single-stream block multiplies its attention output and its MLP activation by their
-    # own parts of proj_out and adds the two, instead of joining them into one tensor first (a copy of
-    # both per block and step). The same sum, rounded per part.
-    split_out_proj: bool = False
-    # Flux: every norm's modulation projection (scales, shifts, gates from the time, guidance and
-    # pooled-prompt embedding) computed for all steps of a batch before the first, each weight read
-    # once per batch instead of once per step; each step reads its precomputed vector. The same
-    # projections, rounded by a matmul over more rows. bcg.scope forward or step (not loop).
-    hoist_modulation: bool = False
-    # PixArt: pad prompts to the manifest's longest prompt (rounded up to 64 tokens) instead of
-    # max_sequence_length. The padding is masked out of T5 and of cross-attention, so images are the
-    # same up to rounding; cross-attention and text encoding do less work.
-    trim_text_padding: bool = False
-    # torch.compile the VAE decoder too (inductor, default mode, fixed tuning). Latents are decoded in
-    # chunks of `decode_chunk` (the last one padded), so one compilation serves every resolution and
-    # batch: the batch is static, height and width are symbolic. Images differ from eager by rounding.
-    compile_decoder: bool = False
-    decode_chunk: int = 4
-    # Where inductor keeps what it compiled and tuned (FX graphs, Triton kernels, tuned block sizes),
-    # so that the next process of a job (a resume, another shard) loads instead of compiling; null:
-    # the job's own, <output.dir>/.cache/inductor. A path shared by several jobs (+job=nightly's)
-    # lets each load what the others compiled.
-    compile_cache_dir: Optional[str] = None
+def _kernels_schema() -> type:
+    """KernelsConfig: `plan` (auto, or a name in pipeline.plans.PLANS) and every setting of
+    pipeline.plans.KernelSettings, each null unless the user gives it (then it overrides the plan)."""
+    types = typing.get_type_hints(KernelSettings)
+    settings = [(f.name, Optional[types[f.name]], None) for f in fields(KernelSettings)]
+    return make_dataclass("KernelsConfig", [("plan", str, "auto"), *settings])
+
+
+KernelsConfig = _kernels_schema()
 
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "bf16"
+    # auto: bf16 on CUDA, fp32 on a CPU; fp8: bf16 with the family's float8 plan (pipeline.plans).
+    dtype: str = "auto"
     tf32: bool = False
     cudnn_benchmark: bool = False
 
@@ -304,6 +243,7 @@ def _resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.Path
         value = OmegaConf.select(cfg, key)
         if value is not None:
             OmegaConf.update(cfg, key, absolute(value, cwd))
+    fill_sampler_defaults(cfg.sampler, cfg.model)
     job = OmegaConf.to_object(cfg)
     check_choices(job)
     check_writable_dir("output.dir", Path(job.output.dir))
@@ -311,9 +251,22 @@ def _resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.Path
     return job
 
 
+def fill_sampler_defaults(sampler: Any, model: Any) -> None:
+    """sampler.steps and sampler.guidance_scale the user left null: the model's own (model.steps,
+    model.guidance_scale, else its checkpoint's pipeline's defaults), written into `sampler` (the
+    composed config, so that the recorded config says what ran, or a JobConfig's)."""
+    if sampler.steps is not None and sampler.guidance_scale is not None:
+        return
+    own = sampler_defaults(model)
+    if sampler.steps is None:
+        sampler.steps = own.steps
+    if sampler.guidance_scale is None:
+        sampler.guidance_scale = own.guidance_scale
+
+
 ON_INVALID = ("error", "skip")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("bf16", "fp16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8")  # pipeline.precision
 WEIGHTS = ("random", "pretrained")
 SCOPES = ("forward", "step", "loop")
 SAMPLER_NAMES = ("default", "dpmpp_2m", "flow_euler", "ddim")
@@ -357,20 +310,25 @@ def check_choices(cfg: JobConfig) -> None:
     """Reject values outside the accepted sets, naming the key and the choices."""
     for key, value, accepted in (
         ("manifest.on_invalid", cfg.manifest.on_invalid, ON_INVALID),
-        ("precision.dtype", cfg.precision.dtype, DTYPES),
+        ("precision.dtype", cfg.precision.dtype, PRECISIONS),
         ("model.weights", cfg.model.weights, WEIGHTS),
         ("bcg.scope", cfg.bcg.scope, SCOPES),
         ("bcg.capture", cfg.bcg.capture, CAPTURE),
         ("sampler.name", cfg.sampler.name, SAMPLER_NAMES),
-        ("kernels.attention", cfg.kernels.attention, ATTENTION),
-        ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
-        ("kernels.compile_scope", cfg.kernels.compile_scope, COMPILE_SCOPES),
-        ("kernels.compile_tuning", cfg.kernels.compile_tuning, COMPILE_TUNINGS),
+        ("kernels.plan", cfg.kernels.plan, (AUTO, *PLANS)),
         ("output.format", cfg.output.format, FORMATS),
         ("output.layout", cfg.output.layout, LAYOUTS),
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
     ):
         if value not in accepted:
+            raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
+    for key, value, accepted in (  # kernel settings the user gave (null: the plan's)
+        ("kernels.attention", cfg.kernels.attention, ATTENTION),
+        ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
+        ("kernels.compile_scope", cfg.kernels.compile_scope, COMPILE_SCOPES),
+        ("kernels.compile_tuning", cfg.kernels.compile_tuning, COMPILE_TUNINGS),
+    ):
+        if value is not None and value not in accepted:
             raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
     if cfg.output.dir is None:
         raise UserError("output.dir is not set: name the directory the job writes to, e.g. output.dir=outputs/my-dataset")
@@ -388,7 +346,7 @@ def check_choices(cfg: JobConfig) -> None:
         check_auto_sizes(cfg.bcg.auto_sizes)
     if cfg.runtime.inflight_batches < 0:
         raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
-    if cfg.sampler.steps < 1:
+    if cfg.sampler.steps is not None and cfg.sampler.steps < 1:  # null: the model's own
         raise UserError(f"sampler.steps={cfg.sampler.steps} must be >= 1")
     if cfg.bench.reference_images < 1:
         raise UserError(f"bench.reference_images={cfg.bench.reference_images} must be >= 1 (rows per resolution "

@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from bcg.engine import BCGEngine
 from pipeline.calibrate import save_choice
-from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices
+from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices, fill_sampler_defaults
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
 from pipeline.denoise import LOOP_REFUSAL, Denoiser, sampler_label
 from pipeline.errors import UserError
@@ -38,7 +38,9 @@ from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, pa
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
 from pipeline.planner import Batch, Plan, buckets_by_resolution
-from pipeline.precision import DTYPES, apply_precision, resolve_device
+from pipeline.model_info import model_family, sampler_defaults
+from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
+from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
@@ -66,7 +68,13 @@ class Setup:
     shard: ShardSpec
     device: torch.device
     precision: dict[str, Any]  # apply_precision's record
+    dtype: torch.dtype  # the model's
+    plan: ResolvedPlan  # the kernels, resolved from kernels.plan for this family, device and precision
     out_dir: Path
+
+    @property
+    def kernels(self) -> KernelSettings:
+        return self.plan.settings
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     # 3. Resolve the ladder: bcg.ladder, or with bcg.ladder=auto the choice an earlier run of this job
     #    saved; a new auto choice waits for the model (step 10).
     ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
-                            settings_digest(cfg, setup.precision))
-    note = decoder_padding_note(cfg.kernels, max(ladder.ladder or cfg.bcg.auto_sizes))
+                            settings_digest(cfg, setup.precision, setup.kernels))
+    note = decoder_padding_note(setup.kernels, max(ladder.ladder or cfg.bcg.auto_sizes))
     if note:
         log.warning(note)
 
@@ -130,9 +138,9 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     planned = plan_ladder(ladder, manifest, cfg, setup.shard)
 
     # 5. What every output row records about how it was made, from the configs (no weights needed).
-    fields = job_fields(cfg, setup.precision)
+    fields = job_fields(cfg, setup.precision, setup.kernels)
 
-    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir, setup.device):
+    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(setup.kernels, setup.out_dir, setup.device):
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.
@@ -157,7 +165,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         stop.check()
 
         # 11. The denoiser's engine on that ladder.
-        built.denoiser.attach(engine_factory(cfg, ladder.ladder, setup.device))
+        built.denoiser.attach(engine_factory(cfg, setup.kernels.attention, ladder.ladder, setup.device))
 
         # 12. Prompts (before capture: with model.offload_text_encoder the text encoders are freed then).
         prompts = prompt_cache(built.adapter, todo, cfg.runtime.encode_batch_size, PROMPT_CACHE_ENTRIES,
@@ -186,24 +194,44 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
 
 def start(cfg: JobConfig) -> tuple[Setup, RunStats]:
-    """Refuse bad choices and kernel settings, select the device, set the numerics flags; the job's
-    clock starts here."""
+    """Refuse bad choices and kernel settings, select the device, the precision and the kernel plan,
+    set the numerics flags; say what will run; the job's clock starts here."""
+    fill_sampler_defaults(cfg.sampler, cfg.model)
     check_choices(cfg)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     stats = RunStats()
     say_imported_from_source(stats.startup.from_source)
     device = resolve_device(cfg.runtime.device, shard.index)
-    check_job_kernels(cfg, device)
-    precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
-    return Setup(shard, device, precision, Path(cfg.output.dir)), stats
+    precision = resolve_precision(cfg.precision.dtype, device)
+    plan = job_plan(cfg, device, precision)
+    record = apply_precision(precision, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
+    say_what_runs(cfg, device, precision, plan)
+    return Setup(shard, device, record, precision.torch_dtype, plan, Path(cfg.output.dir)), stats
 
 
-def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
-    """The kernel settings refused before the model is built (a pretrained checkpoint's family is
-    known only once its model_index.json is read; apply_kernels checks again then)."""
-    check_kernels(cfg.kernels, cfg.model.family if cfg.model.weights == "random" else None, device)
-    if cfg.kernels.hoist_modulation and cfg.bcg.scope == "loop":
+def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> ResolvedPlan:
+    """The kernel plan for this model's family, the device and the precision (kernels.plan=auto), or the
+    one named, with the user's kernels.* values over it; refused (before the model is built) where
+    its settings exclude each other, do not serve this family or need another device."""
+    family = model_family(cfg.model)
+    overrides = {key: getattr(cfg.kernels, key) for key in SETTINGS}
+    plan = resolve_plan(cfg.kernels.plan, overrides, family, device.type, precision.float8)
+    check_kernels(plan.settings, family, device)
+    if plan.settings.hoist_modulation and cfg.bcg.scope == "loop":
         raise UserError(LOOP_REFUSAL)
+    return plan
+
+
+def say_what_runs(cfg: JobConfig, device: torch.device, precision: Precision, plan: ResolvedPlan) -> None:
+    """The log's first lines: the model and its sampler settings (and where they come from), the
+    device and precision, the kernel plan and its settings."""
+    own = sampler_defaults(cfg.model)
+    given = (cfg.sampler.steps, cfg.sampler.guidance_scale) != (own.steps, own.guidance_scale)
+    log.info("model %s: %d steps, guidance %s (%s); sampler %s", cfg.model.name, cfg.sampler.steps,
+             cfg.sampler.guidance_scale, "set for this job" if given else f"the model's own: {own.source}",
+             cfg.sampler.name)
+    log.info("device %s, precision %s", device, precision.describe())
+    log.info("%s", plan.describe())
 
 
 def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Schema]:
@@ -235,7 +263,7 @@ def calibrated_plan(decision: LadderDecision, planned: ShardPlan | None, todo: l
     planned and saved, and the batches left of that plan."""
     if not decision.pending:
         return decision, planned, todo
-    decision = calibrate_ladder(decision, cfg.bcg, cfg.kernels.attention, cfg.sampler.steps, manifest.counts(),
+    decision = calibrate_ladder(decision, cfg.bcg, setup.kernels.attention, cfg.sampler.steps, manifest.counts(),
                                 built.denoiser, setup.device)
     planned = plan_ladder(decision, manifest, cfg, setup.shard)
     save_choice(setup.out_dir, decision.costs, decision.fingerprint, decision.auto_report)
@@ -283,14 +311,14 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
     memory = MemoryMarks.start(setup.device)
-    start_compile_workers(cfg.kernels, setup.device)
-    adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, DTYPES[cfg.precision.dtype]),
-                            cfg.sampler.true_cfg_scale)
+    start_compile_workers(setup.kernels, setup.device)
+    adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, setup.dtype), cfg.sampler.true_cfg_scale)
     clock.lap("build")
     resolutions = manifest.resolutions()
     compiled_before = compile_stats()
-    kernels = apply_kernels(cfg.kernels, adapter, resolutions[0] if resolutions else None, shapes=len(resolutions) * 8,
-                            texts=manifest_texts(manifest))
+    kernels = {**setup.plan.to_dict(),
+               **apply_kernels(setup.kernels, adapter, resolutions[0] if resolutions else None,
+                               shapes=len(resolutions) * 8, texts=manifest_texts(manifest))}
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
     memory.model()
@@ -298,33 +326,36 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
     return Built(adapter, denoiser, kernels, compiled_before, fields, memory)
 
 
-def engine_factory(cfg: JobConfig, ladder: list[int], device: torch.device) -> Callable[..., BCGEngine]:
+def engine_factory(cfg: JobConfig, attention: str, ladder: list[int], device: torch.device) -> Callable[..., BCGEngine]:
     def make(fn, specs) -> BCGEngine:
         b = cfg.bcg
-        return BCGEngine(with_attention(fn, cfg.kernels.attention, device.type), specs, ladder, device, enabled=b.enabled,
+        return BCGEngine(with_attention(fn, attention, device.type), specs, ladder, device, enabled=b.enabled,
                          warmup=b.warmup, lazy=b.lazy, pool_limit_gib=b.pool_limit_gib, pool_margin=b.pool_margin)
 
     return make
 
 
-def job_fields(cfg: JobConfig, precision: dict) -> dict[str, Any]:
+def job_fields(cfg: JobConfig, precision: dict, kernels: KernelSettings) -> dict[str, Any]:
     """What every output row of this job says about how it was made; `settings` digests the rest.
     From the configs alone (the model's name and scheduler class from its config or checkpoint
     JSON), so committed rows are checked against the job before any weights are loaded."""
     model, scheduler_class = model_labels(cfg.model)
     return {"steps": cfg.sampler.steps, "guidance_scale": cfg.sampler.guidance_scale, "model": model,
             "sampler": sampler_label(cfg.bcg.scope, cfg.sampler.name, scheduler_class),
-            "settings": settings_digest(cfg, precision), **encoding_of(cfg.output).fields()}
+            "settings": settings_digest(cfg, precision, kernels), **encoding_of(cfg.output).fields()}
 
 
-def settings_digest(cfg: JobConfig, precision: dict) -> str:
+def settings_digest(cfg: JobConfig, precision: dict, kernels: KernelSettings) -> str:
     """Everything else an image depends on, so a resumed job can tell whether committed images are
-    still its own: the model config, precision, scope, sampler, and the kernels that differ from the
-    default (so a job with default kernels has one digest whichever kernel options exist)."""
-    everything = {"model": asdict(cfg.model), "precision": precision, "scope": cfg.bcg.scope, "sampler": cfg.sampler.name}
+    still its own: the model config (its sampler defaults aside: rows record steps and guidance),
+    precision, scope, sampler, and the kernels that differ from the default (so a job with default
+    kernels has one digest whichever kernel options exist)."""
+    model = {k: v for k, v in asdict(cfg.model).items() if k not in ("steps", "guidance_scale")}
+    everything = {"model": model, "precision": digest_record(precision), "scope": cfg.bcg.scope,
+                  "sampler": cfg.sampler.name}
     if cfg.sampler.true_cfg_scale != 1.0:  # counts only when on, so other jobs keep their digest
         everything["true_cfg_scale"] = cfg.sampler.true_cfg_scale
-    kernels = output_kernels(cfg.kernels)
+    kernels = output_kernels(kernels)
     if kernels:
         everything["kernels"] = kernels
     return hashlib.sha256(json.dumps(everything, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -439,7 +470,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
 def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, todo: list[Batch], invalid: int,
                 built: Built, ladder: LadderDecision, prompts: PromptCache, generated: Generated,
                 resolved_config: dict[str, Any] | None) -> PartReport:
-    engine, k = built.denoiser.engine, cfg.kernels
+    engine, k = built.denoiser.engine, setup.kernels
     auto = ladder.auto_report
     return PartReport(
         **stats.figures(planned=planned.images, skipped=planned.images - sum(len(b.items) for b in todo), invalid=invalid),

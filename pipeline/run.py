@@ -26,7 +26,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.completion import SUCCESS, finished
-from pipeline.config import register_configs, resolve_job
+from pipeline.config import fill_sampler_defaults, register_configs, resolve_job
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.overrides import check_overrides
@@ -61,15 +61,13 @@ def preflight(argv: list[str]) -> None:
     args = get_args_parser().parse_args(argv)
     config_dirs = [CONF_DIR] + ([Path(args.config_dir)] if args.config_dir else [])
     check_overrides(args.overrides, config_dirs)
+    elsewhere = args.multirun or args.config_dir or args.config_path or args.experimental_rerun
+    if args.cfg == "job" and not elsewhere and not args.package:
+        show_job_config(compose_config(args), args.resolve)
     shows_only = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
-    if shows_only or args.multirun or args.config_dir or args.config_path or args.experimental_rerun:
+    if shows_only or elsewhere:
         return  # nothing to run here (or runs composed per job, or configs from elsewhere): the task checks
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="run"):
-            cfg = compose(args.config_name or CONFIG_NAME, overrides=args.overrides, return_hydra_config=True)
-    except HydraException as err:  # e.g. `job=demo` without the `+`: Hydra's message says what to do
-        lines = str(err).splitlines() + (str(err.__cause__).splitlines()[:1] if err.__cause__ else [])
-        raise UserError(" ".join(line.strip() for line in lines if line.strip())) from None
+    cfg = compose_config(args)
     cwd = os.getcwd()
     run_dir = absolute(cfg.hydra.run.dir, cwd)
     with open_dict(cfg):
@@ -77,6 +75,26 @@ def preflight(argv: list[str]) -> None:
     job = resolve_job(cfg, cwd, run_dir)
     if run_dir != job.output.dir:
         check_writable_dir("hydra.run.dir", Path(run_dir))
+
+
+def compose_config(args) -> DictConfig:
+    """The config Hydra will compose for these arguments (with its `hydra` node), or a UserError."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="run"):
+            return compose(args.config_name or CONFIG_NAME, overrides=args.overrides, return_hydra_config=True)
+    except HydraException as err:  # e.g. `job=demo` without the `+`: Hydra's message says what to do
+        lines = str(err).splitlines() + (str(err.__cause__).splitlines()[:1] if err.__cause__ else [])
+        raise UserError(" ".join(line.strip() for line in lines if line.strip())) from None
+
+
+def show_job_config(cfg: DictConfig, resolve: bool) -> None:
+    """`--cfg job`: the job's config as it will run, the model's own sampler settings filled in where
+    the command leaves them to it (Hydra would print them null); then exit."""
+    with open_dict(cfg):
+        del cfg["hydra"]
+    fill_sampler_defaults(cfg.sampler, cfg.model)
+    print(OmegaConf.to_yaml(cfg, resolve=resolve), end="")
+    sys.exit(0)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)

@@ -44,39 +44,21 @@ def test_smoke_run_measures_each_variant_and_case_and_saves_the_tables(tmp_path)
 
 
 
-def test_a_mistyped_variant_is_named_with_what_is_accepted():
-    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "fp8+compil")
+def test_a_mistyped_variant_is_named_with_what_is_accepted_and_plans_run_as_a_job_sets_them(tmp_path):
+    """A variant is a plan of pipeline/plans.py with kernels.* settings over it; a typo names what is
+    accepted; the float8 plan's kernels (its references on the CPU) run in --smoke, and the bench
+    reports what apply_kernels set (our own blocks and their settings, the plan's compile)."""
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "eager", "flux-fp9")
     assert proc.returncode == 2
-    assert "'fp8+compil': a variant is eager, graph, or compile joined by '+' with any of ['fp8', 'qkv'" in proc.stderr
-    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "cudnn+flash+compile")
-    assert proc.returncode == 2 and "at most one of each of ['cudnn', 'flash'] and ['autotune', 'descent']" in proc.stderr
-    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "autotune+descent+compile")
-    assert proc.returncode == 2 and "'autotune+descent+compile': a variant is" in proc.stderr
-    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "compile+fp8", "--images", "eager")
-    assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'fp8+compile']" in proc.stderr
-
-
-def test_a_variant_changes_the_model_as_a_job_with_its_settings_does(tmp_path, monkeypatch):
-    """The bench applies a variant's kernels itself (its float8 runs on the CPU in --smoke): it reports
-    every change, with the same counts, that a job's apply_kernels reports for the same settings, so no
-    kernel module is left out of a variant."""
-    import torch
-    from conftest import model_config
-
-    import pipeline.kernels.fp8 as fp8
-    from pipeline.config import KernelsConfig
-    from pipeline.kernels import apply_kernels
-    from pipeline.models import build_model
-
+    assert "'flux-fp9': a variant is eager, graph, or one of the plans ['compiled', 'flux', 'flux-fp8']" in proc.stderr
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "flux+trim_text_padding=true")
+    assert proc.returncode == 2 and "kernels.trim_text_padding=true: model families ['pixart'] mask" in proc.stderr
+    proc = run_benchmark("bench_flux.py", "--smoke", "--variants", "graph", "flux", "--images", "eager")
+    assert proc.returncode == 2 and "--images ['eager']: not among --variants ['graph', 'flux']" in proc.stderr
     out = tmp_path / "flux.json"
-    variant = "fp8+qkv+split+hoist+compile"
+    variant = "flux-fp8+compile_decoder=false+hoist_modulation=false"
     proc = run_benchmark("bench_flux.py", "--smoke", "--variants", variant, "--cases", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    bench = json.loads(out.read_text())["kernels"][variant]
-    monkeypatch.setattr(fp8, "check_fp8", lambda device: None)  # float8 needs sm89+: stand in for it
-    adapter = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    settings = KernelsConfig(fp8=True, fuse_qkv=True, split_out_proj=True, hoist_modulation=True, compile=True,
-                             compile_scope="blocks")
-    job = apply_kernels(settings, adapter, None, shapes=1)
-    changes = {key: value for key, value in job.items() if key not in ("attention", "compile", "fp8", "compile_cache_dir")}
-    assert changes == {key: value for key, value in bench.items() if key != "compile_cache_dir"}
+    report = json.loads(out.read_text())["kernels"][variant]
+    assert report["own_blocks"] == "flux" and report["compiled_for"] == "native-size-rows-1-and-2"
+    assert report["own_block_settings"] == ["fuse_qkv", "fp8", "fuse_gelu", "split_out_proj", "fp8_attention", "fp8_norm"]

@@ -47,10 +47,10 @@ def imported(proc: subprocess.CompletedProcess) -> set[str]:
     ("+outptu.dir=x", "unknown config key 'outptu.dir'; did you mean 'output.dir'?"),
     ("bcg/ladderr=pow2_8", "unknown config group 'bcg/ladderr'; did you mean 'bcg/ladder'?"),
     ("+job=dem", "unknown option 'dem' for job; did you mean 'demo'?"),
-    ("sampler.steps=many", "sampler.steps='many' is not accepted; expected an integer"),
-    ("+sampler.steps=3", "Could not append to config. An item is already at 'sampler.steps'. Either remove + "
-                         "prefix: 'sampler.steps=3' Or add a second + to add or override 'sampler.steps': "
-                         "'++sampler.steps=3'"),  # Hydra's own message, on one line
+    ("sampler.steps=many", "sampler.steps='many' is not accepted; expected an integer or null"),
+    ("+sampler.name=ddim", "Could not append to config. An item is already at 'sampler.name'. Either remove + "
+                           "prefix: 'sampler.name=ddim' Or add a second + to add or override 'sampler.name': "
+                           "'++sampler.name=ddim'"),  # Hydra's own message, on one line
 ])
 def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override, message):
     proc = run_cli("+job=dataset", "manifest.path=m.parquet", override, cwd=tmp_path)

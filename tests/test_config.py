@@ -34,7 +34,7 @@ def test_ladder_files_and_literal_override():
     assert job_config("bcg.ladder=[1,2,4]", "manifest.path=m", "output.dir=o").bcg.ladder == [1, 2, 4]
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", ["auto", "bf16", "fp16", "fp32", "fp8"])
 def test_precision_files_keep_tf32_and_cudnn_benchmark_off(name):
     p = job_config(f"precision={name}", "manifest.path=m", "output.dir=o").precision
     assert (p.dtype, p.tf32, p.cudnn_benchmark) == (name, False, False)

@@ -35,7 +35,7 @@ GUIDANCE = 4.5
 # schnell-like ones); true CFG runs [negative; positive] as one batch where diffusers makes two calls.
 PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1, "dit": 1, "flux_dev": 1,
                    "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1,
-                   "flux_dev_split_out_proj": 1, "flux_dev_hoist_modulation": 1, "flux_dev_step_hoist_modulation": 1,
+                   "flux_dev_own_blocks": 1, "flux_dev_hoist_modulation": 1, "flux_dev_step_hoist_modulation": 1,
                    "flux_schnell_hoist_modulation": 1, "flux_true_cfg_hoist_modulation": 1}
 
 TEXT_ROWS = [  # two sizes, >= 2 rows each; some rows with a negative prompt, some with the default ""
@@ -73,9 +73,11 @@ CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffu
     # FLUX.1-dev-like (guidance embedding, resolution-dependent shift) and FLUX.1-schnell-like
     "flux_dev": ("tiny_flux", FLUX_DEV[0], FLUX_DEV[1], FLUX_ROWS, FLUX_DEV[2]),
     "flux_dev_step": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "bcg.scope=step"), FLUX_ROWS, FLUX_DEV[2]),
-    # kernels.split_out_proj: the single-stream blocks' out-projection in two parts (the same sum)
-    "flux_dev_split_out_proj": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "kernels.split_out_proj=true"), FLUX_ROWS,
-                                FLUX_DEV[2]),
+    # Flux's own blocks (pipeline/blocks/flux.py) with the exact settings the CPU runs: q|k|v joined, the
+    # single-stream blocks' out-projection in two parts (the same sum), the queries' and keys' op
+    "flux_dev_own_blocks": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "kernels.split_out_proj=true",
+                                                       "kernels.fuse_qkv=true", "kernels.fuse_qk_norm=true"),
+                            FLUX_ROWS, FLUX_DEV[2]),
     # kernels.hoist_modulation: every step's modulation vectors computed before the first (forward and
     # step scopes; with true CFG for both prompts; schnell-like, without a guidance embedding)
     "flux_dev_hoist_modulation": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "kernels.hoist_modulation=true"), FLUX_ROWS,
@@ -110,11 +112,10 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
         f"sampler.steps={STEPS}", f"sampler.guidance_scale={GUIDANCE}", *job_overrides,
     ))
     assert report["images"]["ok"] == len(rows) and report["model"] == "model"
-    if "kernels.split_out_proj=true" in job_overrides:  # the case compares the split blocks, not diffusers' own
-        assert report["kernels"]["split_out_proj_blocks"] == 2
-    if "kernels.hoist_modulation=true" in job_overrides:  # 2 norms per double block, 1 per single one, norm_out
-        arch = job_config(f"model={model}", "manifest.path=m", "output.dir=o").model.arch["transformer"]
-        assert report["kernels"]["hoisted_modulation_norms"] == 2 * arch["num_layers"] + arch["num_single_layers"] + 1
+    asked = [o.removeprefix("kernels.").removesuffix("=true") for o in job_overrides if o.startswith("kernels.")]
+    if asked:  # the case compares our own blocks with diffusers' pipeline, not diffusers' blocks with it
+        kernels = report["kernels"]
+        assert kernels["own_blocks"] == "flux" and sorted(kernels["own_block_settings"]) == sorted(asked)
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
     reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32, **reference_kwargs)
     worst = 0

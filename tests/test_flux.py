@@ -129,7 +129,7 @@ def test_bench_job_takes_a_flux_model_against_flux_pipeline(tmp_path, true_cfg):
     if true_cfg > 1:
         manifest_rows[0]["negative_prompt"] = "blurry"
     manifest = write_manifest(tmp_path / "m.parquet", manifest_rows)
-    result = run_bench(cpu_job(manifest, tmp_path / "out", "+job=bench", "model=tiny_flux", "kernels=default",
+    result = run_bench(cpu_job(manifest, tmp_path / "out", "+job=bench", "model=tiny_flux", "kernels.plan=eager",
                                "kernels.trim_text_padding=false", "bench.baseline_batch=2", f"sampler.steps={STEPS}",
                                f"sampler.true_cfg_scale={true_cfg}"))
     baseline = result["baseline"]

@@ -16,7 +16,7 @@ import torch
 
 from conftest import cpu_job, job_config, model_config, png, rows, wide_heads_flux, write_manifest
 from bcg.buffers import StaticInputs
-from pipeline.config import KernelsConfig
+from pipeline.plans import KernelSettings
 from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.job import run
@@ -89,28 +89,9 @@ def test_missing_flash_attn_is_named_with_its_extra():
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
     with pytest.raises(UserError, match=r"flash-attn.*\[flash\]"):
-        check_kernels(KernelsConfig(attention="flash_attn"), "pixart")
+        check_kernels(KernelSettings(attention="flash_attn"), "pixart")
     with pytest.raises(UserError, match="kernels.attention='fast'"):
-        check_kernels(KernelsConfig(attention="fast"), "pixart")
-
-
-def test_fp8_is_refused_off_cuda_with_the_reason(tiny):
-    with pytest.raises(UserError, match="kernels.fp8=true needs a CUDA GPU with float8 tensor cores"):
-        apply_kernels(KernelsConfig(fp8=True), tiny, None, shapes=1)
-
-
-def test_fp8_without_compile_says_what_it_costs(tiny, monkeypatch, caplog):
-    import pipeline.kernels.fp8 as fp8
-
-    monkeypatch.setattr(fp8, "check_fp8", lambda device: None)  # float8 needs sm89+: stand in for it
-    monkeypatch.setattr(fp8, "quantize_fp8", lambda transformer: 0)
-    with caplog.at_level("WARNING", logger="pipeline.kernels"):
-        apply_kernels(KernelsConfig(fp8=True), tiny, None, shapes=1)
-    assert "float8 without kernels.compile" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="pipeline.kernels"):
-        apply_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), tiny, None, shapes=1)
-    assert "float8 without kernels.compile" not in caplog.text
+        check_kernels(KernelSettings(attention="fast"), "pixart")
 
 
 # Rowwise float8 e4m3 (3 mantissa bits: each value within 1/16 of itself) for both operands of a
@@ -124,48 +105,32 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_is_close_to_the_matmul_it_replaces(dtype):
-    from pipeline.kernels.fp8 import FP8, to_fp8
+    from pipeline.blocks.layers import linear
+    from pipeline.kernels.fp8 import FP8
 
     torch.manual_seed(0)
-    linear = torch.nn.Linear(256, 128).to(dtype)
+    layer = torch.nn.Linear(256, 128).to(dtype)
     x = torch.randn(3, 33, 256).to(dtype)
     x[1, 5] = 0  # a padded row: zeros in, the bias out (no NaN from a zero scale)
     with torch.no_grad():
-        reference = linear(x)
-        to_fp8(linear)
-        out = linear(x)
-    assert linear.weight.dtype == FP8 and out.dtype == dtype and out.shape == reference.shape
+        reference = layer(x)
+        fp8_layer = linear([layer], as_fp8=True)
+        out = fp8_layer(x)
+    assert fp8_layer.weight8.dtype == FP8 and out.dtype == dtype and out.shape == reference.shape
     assert rel_err(out, reference) < FP8_LINEAR_REL_ERR
-    assert torch.equal(out[1, 5], linear.bias.to(dtype))
+    assert torch.equal(out[1, 5], layer.bias.to(dtype))
+    assert type(linear([torch.nn.Linear(20, 8)], as_fp8=True)).__name__ == "Linear"  # sizes float8 cannot take
 
 
-def test_fp8_converts_the_blocks_linear_layers_and_keeps_the_model_dtype():
-    from pipeline.kernels.fp8 import FP8, quantize_fp8
-
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    x = random_inputs(flux)
-    with torch.no_grad():
-        reference = flux.guided_eps(x)
-        layers = quantize_fp8(flux.transformer)
-        out = flux.guided_eps(x)
-    t = flux.transformer
-    assert layers == 12 + 2 * 5  # a double block: 8 attention + 4 feed-forward; a single block: q, k, v, mlp, out
-    assert t.transformer_blocks[0].attn.to_q.weight.dtype == FP8 and t.single_transformer_blocks[1].proj_out.weight.dtype == FP8
-    assert t.transformer_blocks[0].norm1.linear.weight.dtype == torch.float32  # one row per image: stays
-    assert t.proj_out.weight.dtype == t.x_embedder.weight.dtype == flux.dtype == torch.float32
-    assert rel_err(out, reference) < FP8_LINEAR_REL_ERR
-
-
-def test_fp8_blocks_compile_as_one_graph_that_computes_what_eager_does():
-    """The quantization is plain torch ops and torch._scaled_mm one op: dynamo traces the layers'
-    instance forward inside a full-graph compile (inductor fuses the rest)."""
-    from pipeline.kernels.fp8 import to_fp8
+def test_fp8_layers_compile_as_one_graph_that_computes_what_eager_does():
+    """The quantization is plain torch ops and torch._scaled_mm one op: dynamo traces the layers inside
+    a full-graph compile (inductor fuses the rest)."""
+    from pipeline.blocks.layers import linear
 
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"),
                                 torch.nn.Linear(128, 64)).to(torch.bfloat16)
-    for layer in (block[1], block[3]):
-        to_fp8(layer)
+    block[1], block[3] = linear([block[1]], as_fp8=True), linear([block[3]], as_fp8=True)
     x = torch.randn(2, 40, 64).to(torch.bfloat16)
     with torch.no_grad():
         eager = block(x)
@@ -174,54 +139,24 @@ def test_fp8_blocks_compile_as_one_graph_that_computes_what_eager_does():
     assert rel_err(compiled, eager) < 0.01
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_fp8_gelu_moves_each_gelu_into_its_down_projections_quantization(split, caplog):
-    """kernels.fuse_gelu under kernels.fp8: the feed-forwards' GELU (both streams of a double block)
-    and, once split_out_proj has separated them, the single blocks' MLP GELU run inside the next float8
-    layer's quantization; the step is the same (on the CPU the op is the torch ops it replaces); a
-    single block whose GELU output is joined to the attention's keeps its GELU, counted and said."""
-    from pipeline.kernels import fp8, fp8_gelu, split as split_kernel
-
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    t = flux.transformer
-    if split:
-        split_kernel.split_out_proj(t)
-    fp8.quantize_fp8(t)
-    x = random_inputs(flux)
-    with torch.no_grad():
-        unfused = flux.guided_eps(x)
-        with caplog.at_level("WARNING", logger="pipeline.kernels"):
-            report = fp8_gelu.fuse_gelu_quantization(t)
-        fused = flux.guided_eps(x)
-    doubles, singles = len(t.transformer_blocks), len(t.single_transformer_blocks)
-    assert report["fp8_gelu_layers"] == 2 * doubles + (singles if split else 0)
-    assert report.get("fp8_gelu_kept", 0) == (0 if split else singles)
-    assert ("stay unfused under fp8" in caplog.text) is not split
-    assert isinstance(t.single_transformer_blocks[0].act_mlp, torch.nn.Identity) is split
-    assert torch.equal(fused, unfused)
-
-
 def test_fp8_gelu_op_compiles_with_dynamic_rows_and_computes_the_gelu_then_quantizes():
-    """The fused op under torch.compile (no graph break, any row count) is GELU then fp8.quantize_rows;
-    a transformer without a GELU read by a float8 layer is refused with the setting to change."""
-    from pipeline.kernels import fp8, fp8_gelu
+    """The fused op under torch.compile (no graph break, any row count) is GELU then fp8.quantize_rows:
+    a float8 down-projection of its rows computes the unfused feed-forward; zero rows give zeros."""
+    from pipeline.blocks.flux import activated
+    from pipeline.blocks.layers import linear
+    from pipeline.kernels import fp8
 
     torch.manual_seed(0)
     ff = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(128, 64))
-    fused = copy.deepcopy(ff[2])
-    for layer in (ff[2], fused):
-        fp8.to_fp8(layer)
-    fused.forward = fp8_gelu.gelu_fp8_forward.__get__(fused)
-    compiled = torch.compile(lambda h: fused(ff[0](h)), fullgraph=True, dynamic=True)
+    down = linear([ff[2]], as_fp8=True)
+    ff[2] = down
+    compiled = torch.compile(lambda h: activated(ff[0], down, ff[0](h), True), fullgraph=True, dynamic=True)
     with torch.no_grad():
         for rows in (3, 17):
             h = torch.randn(2, rows, 64)
             assert torch.equal(compiled(h), ff(h))
     q, scale = torch.ops.bcg.gelu_quantize_rows(torch.zeros(2, 32))  # padded rows: zeros, no NaN
     assert q.dtype == fp8.FP8 and torch.equal(q.float(), torch.zeros(2, 32)) and bool(torch.isfinite(scale).all())
-    with pytest.raises(UserError, match="no tanh GELU read by a float8 linear layer alone; set kernels.fuse_gelu=false"):
-        fp8_gelu.fuse_gelu_quantization(torch.nn.Sequential(torch.nn.Linear(16, 16)))
-
 
 
 @pytest.mark.parametrize("cols", [1, 2, 3, 7, 1000, 3072, 4096, 4608, 12288, 16384])
@@ -258,29 +193,22 @@ def test_persistent_reductions_compile_the_same_step_are_keyed_and_need_compile(
         torch._dynamo.reset()
         flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
         x = random_inputs(flux)
-        kernels = KernelsConfig(compile=True, compile_scope="blocks", persistent_reductions=persistent)
+        kernels = KernelSettings(compile=True, compile_scope="blocks", persistent_reductions=persistent)
         report = apply_kernels(kernels, flux, None, shapes=1)
         assert report.get("persistent_reductions") == (reductions.MAX_VALUES if persistent else None)
         with torch.no_grad():
             steps.append(flux.guided_eps(x))
     assert torch.allclose(steps[0], steps[1], atol=1e-5)
-    assert output_kernels(KernelsConfig(compile=True, persistent_reductions=True))["persistent_reductions"] is True
+    assert output_kernels(KernelSettings(compile=True, persistent_reductions=True))["persistent_reductions"] is True
     with pytest.raises(UserError, match="kernels.persistent_reductions=true needs kernels.compile=true"):
-        check_kernels(KernelsConfig(persistent_reductions=True))
-
-
-def test_fp8_is_offered_for_pixart_and_flux_with_compile():
-    for family in ("pixart", "flux"):
-        check_kernels(KernelsConfig(fp8=True, compile=True, compile_scope="blocks"), family)
-    with pytest.raises(UserError, match=r"kernels.fp8=true: .*model families \['pixart', 'flux'\], not 'sd3'"):
-        check_kernels(KernelsConfig(fp8=True), "sd3")
+        check_kernels(KernelSettings(persistent_reductions=True))
 
 
 def test_a_family_refusal_names_every_setting_and_the_whole_fix():
     """fuse_residual (compiled: kernels=fast with kernels.compile=true) and +job=bench's text trimming are
     PixArt's: with Flux one message names both and the compile scope their removal then needs, and that
     one change passes."""
-    fast = KernelsConfig(attention="cudnn", compile=True, compile_scope="norms", fuse_residual=True,
+    fast = KernelSettings(attention="cudnn", compile=True, compile_scope="norms", fuse_residual=True,
                          trim_text_padding=True)
     with pytest.raises(UserError) as refused:
         check_kernels(fast, "flux")
@@ -291,23 +219,11 @@ def test_a_family_refusal_names_every_setting_and_the_whole_fix():
     check_kernels(replace(fast, fuse_residual=False, trim_text_padding=False, compile_scope="blocks"), "flux")
 
 
-def test_the_compiled_preset_serves_every_family_and_the_flux_bench():
-    """kernels=compiled (every family's exact compiled path) passes the checks for each family, also
-    under +job=bench with its PixArt-only text trimming turned off, and its kernels count in the
-    settings digest like any compile."""
-    for family in ("pixart", "sd3", "dit", "flux"):
-        check_kernels(job_config("manifest.path=m.parquet", "kernels=compiled").kernels, family)
-    bench = job_config("+job=bench", "model=flux_dev", "kernels=compiled", "kernels.trim_text_padding=false").kernels
-    check_kernels(bench, "flux")
-    assert output_kernels(bench)["compile"] is True and bench.compile_scope == "blocks"
-    check_kernels(replace(bench, fp8=True), "flux")  # float8 goes with it
-
-
 def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
     x = inputs(tiny)
     with torch.no_grad():
         reference = tiny.guided_eps(x)
-    report = apply_kernels(KernelsConfig(fuse_qkv=True), tiny, (64, 64), shapes=1)
+    report = apply_kernels(KernelSettings(fuse_qkv=True), tiny, (64, 64), shapes=1)
     assert report["fused_attention_layers"] == 2 * LAYERS
     blocks = tiny.transformer.transformer_blocks
     assert all(hasattr(b.attn1, "to_qkv") and hasattr(b.attn2, "to_kv") for b in blocks)
@@ -328,7 +244,7 @@ def test_fused_projections_in_sd3_compute_the_same():
     x = random_inputs(sd3)
     with torch.no_grad():
         reference = sd3.guided_eps(x)
-    report = apply_kernels(KernelsConfig(fuse_qkv=True), sd3, None, shapes=1)
+    report = apply_kernels(KernelSettings(fuse_qkv=True), sd3, None, shapes=1)
     assert report["fused_attention_layers"] == len(sd3.transformer.transformer_blocks)
     with torch.no_grad():
         out = sd3.guided_eps(x)
@@ -340,15 +256,15 @@ def test_fused_projections_are_refused_where_diffusers_fused_sd3_attention_would
     cfg.arch["transformer"]["qk_norm"] = "rms_norm"  # SD3.5's q/k norm, which the fused processor skips
     sd35 = build_model(cfg, torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: diffusers' fused SD3 attention ignores q/k norms"):
-        apply_kernels(KernelsConfig(fuse_qkv=True), sd35, None, shapes=1)
+        apply_kernels(KernelSettings(fuse_qkv=True), sd35, None, shapes=1)
 
 
 def test_fused_projections_are_refused_where_diffusers_has_none(tmp_path):
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3', 'flux'\], not 'dit'"):
-        apply_kernels(KernelsConfig(fuse_qkv=True), dit, None, shapes=1)
+        apply_kernels(KernelSettings(fuse_qkv=True), dit, None, shapes=1)
     with pytest.raises(UserError, match="cannot be combined with kernels.attention=flash_attn"):
-        check_kernels(KernelsConfig(fuse_qkv=True, attention="flash_attn"))
+        check_kernels(KernelSettings(fuse_qkv=True, attention="flash_attn"))
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*not 'dit'"):  # at start, before any model
         run(cpu_job(manifest, tmp_path / "out", "model=tiny_dit", "kernels.fuse_qkv=true"))
@@ -381,7 +297,7 @@ def test_regional_compile_compiles_each_block_and_computes_the_same(tiny):
     x = inputs(tiny)
     with torch.no_grad():
         reference = tiny.guided_eps(x)
-    report = apply_kernels(KernelsConfig(compile=True, compile_dynamic=False, compile_scope="blocks"), tiny, None, shapes=2)
+    report = apply_kernels(KernelSettings(compile=True, compile_dynamic=False, compile_scope="blocks"), tiny, None, shapes=2)
     assert report["compile_scope"] == "blocks"
     blocks = tiny.transformer.transformer_blocks
     assert all(b._compiled_call_impl is not None for b in blocks) and tiny.transformer._compiled_call_impl is None
@@ -392,12 +308,13 @@ def test_regional_compile_compiles_each_block_and_computes_the_same(tiny):
 
 @pytest.mark.slow
 def test_dynamic_regional_compile_serves_every_shape_with_one_graph(tiny):
-    """One compilation for every resolution and bucket, with no recompile for the first block's
-    strided input. (Sizes avoid the tiny model's hidden size, 16: dynamo gives sizes that happen to be
-    equal one symbol, which the layer norm then fixes. On PixArt-Sigma only 768x384 px hits 1152.)"""
+    """One compilation for every resolution and bucket, made at the model's native size whatever the
+    first shape is (the tiny model's 64 px: 16 tokens, its hidden size too, which dynamo keeps apart),
+    with no recompile for the first block's strided input."""
     torch._dynamo.reset()
     before = compile_stats()
-    apply_kernels(KernelsConfig(compile=True, compile_scope="blocks"), tiny, None, shapes=4)
+    report = apply_kernels(KernelSettings(compile=True, compile_scope="blocks"), tiny, None, shapes=4)
+    assert report["compiled_for"] == "native-size-rows-1-and-2" and compile_stats(since=before)["compiled_graphs"] == 0
     outputs = {}
     for side, n in ((96, 2), (96, 3), (128, 2), (160, 3)):
         x = inputs(tiny, side, n)
@@ -422,7 +339,7 @@ def test_tuned_compile_computes_the_same_and_its_cache_serves_the_next_run(tiny,
     with torch.no_grad():
         reference = tiny.guided_eps(x)
     cache = tmp_path / "inductor"
-    kernels = KernelsConfig(compile=True, compile_scope="blocks", compile_mode="coordinate-descent",
+    kernels = KernelSettings(compile=True, compile_scope="blocks", compile_mode="coordinate-descent",
                             compile_tuning="timed", compile_cache_dir=str(cache))
     before_env = {name: os.environ.get(name) for name in CACHE_ENV}
     torch._dynamo.reset()
@@ -459,13 +376,13 @@ def test_decode_in_chunks_calls_the_decoder_with_full_chunks_only():
     assert calls == [3, 3, 3]
     assert torch.equal(decode_in_chunks(decoder, latents[:2], 4), latents[:2] * 2) and calls[-1] == 4
     with pytest.raises(UserError, match="kernels.decode_chunk=0 must be >= 1"):
-        check_kernels(KernelsConfig(compile_decoder=True, decode_chunk=0))
+        check_kernels(KernelSettings(compile_decoder=True, decode_chunk=0))
     # a chunk above the ladder's top decodes padding in every call: said at start, with the fix
-    note = padding_note(KernelsConfig(compile_decoder=True, decode_chunk=4), largest_batch=1)
+    note = padding_note(KernelSettings(compile_decoder=True, decode_chunk=4), largest_batch=1)
     assert "kernels.decode_chunk=4 is larger than the largest batch this job decodes (1" in note
     assert "3 or more padded latents" in note and "kernels.decode_chunk=1 decodes none" in note
-    assert padding_note(KernelsConfig(compile_decoder=True, decode_chunk=4), largest_batch=8) is None
-    assert padding_note(KernelsConfig(compile_decoder=False, decode_chunk=4), largest_batch=1) is None
+    assert padding_note(KernelSettings(compile_decoder=True, decode_chunk=4), largest_batch=8) is None
+    assert padding_note(KernelSettings(compile_decoder=False, decode_chunk=4), largest_batch=1) is None
     with pytest.raises(UserError, match="kernels.compile_mode='fastest' is not accepted"):  # either compile
         compile_options("fastest", "fixed")
 
@@ -511,29 +428,6 @@ def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
     assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
 
 
-@pytest.mark.slow
-def test_compiled_flux_blocks_are_traced_once():
-    """Each compiled block kind is traced once: a second trace (float scalars left symbolic stop the
-    first) would be paid by every process of a job, a warm one too."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    from pipeline.process_state import job_scope
-
-    model = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    with job_scope():
-        torch._dynamo.reset()
-        apply_kernels(KernelsConfig(compile=True, compile_scope="blocks"), model, None, shapes=2)
-        x = StaticInputs.allocate(model.input_specs(32, 32), 1, torch.device("cpu")).view(1)
-        for value in x.values():
-            if value.is_floating_point():
-                value.normal_()
-        with torch.no_grad():
-            model.guided_eps(x)
-        attempts = {name: len(times) for name, times in compilation_time_metrics.items()
-                    if name.startswith("compile_attempt_")}
-    assert attempts == {"compile_attempt_0": 3}, attempts  # the two block kinds; the single block twice (strides)
-
-
 def test_trimmed_text_padding_computes_the_same_step(tiny):
     """The padding T5 and cross-attention mask out contributes nothing: a prompt padded to 16
     tokens gives the step it gives at the tiny model's 32."""
@@ -575,252 +469,39 @@ def test_trimmed_text_padding_job_makes_the_same_images_and_is_a_setting(tmp_pat
     with pytest.raises(ResumeConflict, match="kernels other than the default"):
         run(cpu_job(manifest, tmp_path / "trim", longer))
     with pytest.raises(UserError, match=r"families \['pixart'\] mask the text padding"):
-        check_kernels(KernelsConfig(trim_text_padding=True), "sd3")
+        check_kernels(KernelSettings(trim_text_padding=True), "sd3")
 
 
 def test_fused_gelu_is_refused_where_it_would_compute_something_else():
     with pytest.raises(UserError, match="kernels.fuse_gelu=true needs CUDA"):
-        check_kernels(KernelsConfig(fuse_gelu=True), "pixart", torch.device("cpu"))
-    for family in ("pixart", "flux"):  # under fp8 the GELU goes into the float8 quantization
-        check_kernels(KernelsConfig(fuse_gelu=True, fp8=True, compile=True, compile_scope="blocks"), family)
-
-
-def test_fused_projections_in_flux_compute_the_same():
-    """Flux's joint attention: one q|k|v for the image stream, one for the text stream (double blocks);
-    the single blocks' q|k|v; the separate projections are gone."""
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    x = random_inputs(flux)
-    with torch.no_grad():
-        reference = flux.guided_eps(x)
-    report = apply_kernels(KernelsConfig(fuse_qkv=True), flux, None, shapes=1)
-    t = flux.transformer
-    assert report["fused_attention_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    double, single = t.transformer_blocks[0].attn, t.single_transformer_blocks[0].attn
-    assert hasattr(double, "to_added_qkv") and hasattr(single, "to_qkv")
-    assert not any(hasattr(double, name) for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"))
-    with torch.no_grad():
-        out = flux.guided_eps(x)
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("fuse_qkv", [False, True])
-def test_split_out_projection_in_flux_computes_the_same(fuse_qkv):
-    """kernels.split_out_proj: each single-stream block's proj_out as two layers, one per joined
-    input, summed; alone and with the fused projections: the same step (fp32), proj_out gone."""
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    x = random_inputs(flux)
-    with torch.no_grad():
-        reference = flux.guided_eps(x)
-    report = apply_kernels(KernelsConfig(split_out_proj=True, fuse_qkv=fuse_qkv), flux, None, shapes=1)
-    singles = flux.transformer.single_transformer_blocks
-    assert report["split_out_proj_blocks"] == len(singles)
-    block = singles[0]
-    assert not hasattr(block, "proj_out") and block.proj_out_mlp.bias is None
-    assert (block.proj_out_attn.in_features, block.proj_out_mlp.in_features) == (block.attn.inner_dim,
-                                                                               block.proj_mlp.out_features)
-    with torch.no_grad():
-        out = flux.guided_eps(x)
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
-def test_hoisted_modulation_in_flux_gives_every_step_what_the_step_computed(true_cfg):
-    """kernels.hoist_modulation: each step's modulation vectors, computed for all steps at once
-    before the first (true CFG: for the negative and the positive prompt), give each step the
-    model output it computed with its own projections (fp32; a matmul over more rows may round
-    otherwise). The conditioning input `pooled` carries the vector: its spec says its width."""
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    flux = flux.with_true_cfg(true_cfg) if true_cfg > 1 else flux
-    specs, n = flux.input_specs(64, 64), 3
-    gen = torch.Generator().manual_seed(0)
-    cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
-    x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0, 7.0])
-    timesteps = torch.tensor([1000.0, 750.0, 333.3, 20.0])
-    assert flux.per_step_conditioning(cond, guidance, timesteps, n) is None  # off: the same conditioning every step
-    with torch.no_grad():
-        reference = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **cond}) for t in timesteps]
-    report = apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
-    t = flux.transformer
-    assert report["hoisted_modulation_norms"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks) + 1
-    width = report["modulation_width"]
-    assert flux.input_specs(64, 64)["pooled"].shape == (specs["pooled"].shape[0], width)
-    per_step = flux.per_step_conditioning(cond, guidance, timesteps, 4)  # the 3 rows in a bucket of 4
-    with torch.no_grad():
-        for k, (t_k, ref) in enumerate(zip(timesteps, reference)):
-            step_cond = per_step(k)
-            assert step_cond["pooled"].shape == (n, specs["pooled"].shape[0], width)
-            out = flux.guided_eps({"x": x, "t": t_k.expand(n), "g": guidance, **step_cond})
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # a row's vectors come from the bucket's matmul whatever its batch-mates: alone, the same bytes
-    alone = flux.per_step_conditioning({name: c[1:2] for name, c in cond.items()}, guidance[1:2], timesteps, 4)
-    assert all(torch.equal(alone(k)["pooled"][0], per_step(k)["pooled"][1]) for k in range(len(timesteps)))
-
-
-@pytest.mark.slow
-def test_hoisted_modulation_compiles_as_many_block_graphs_as_without_it_and_steps_the_same():
-    """Under compiled blocks (whole graphs, no break allowed) the hoisted model compiles no more
-    graphs than the model without the setting, and each compiled step computes what the eager
-    model's step computes."""
-    timesteps, n = torch.tensor([1000.0, 400.0]), 2
-
-    def steps(kernels: KernelsConfig) -> tuple[list[torch.Tensor], int]:
-        torch._dynamo.reset()
-        flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-        specs, gen = flux.input_specs(64, 64), torch.Generator().manual_seed(0)
-        cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
-        x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0])
-        before = compile_stats()
-        apply_kernels(kernels, flux, None, shapes=1)
-        per_step = flux.per_step_conditioning(cond, guidance, timesteps, n)
-        with torch.no_grad():
-            outs = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **(per_step(k) if per_step else cond)})
-                    for k, t in enumerate(timesteps)]
-        return outs, compile_stats(since=before)["compiled_graphs"]
-
-    reference, _ = steps(KernelsConfig())
-    compiled = KernelsConfig(compile=True, compile_scope="blocks")
-    _, graphs = steps(compiled)
-    hoisted, hoisted_graphs = steps(replace(compiled, hoist_modulation=True))
-    assert 0 < hoisted_graphs <= graphs
-    for out, ref in zip(hoisted, reference):
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        check_kernels(KernelSettings(fuse_gelu=True), "pixart", torch.device("cpu"))
+    # under fp8 the GELU goes into the float8 quantization, whose kernel the CPU runs as the torch ops
+    check_kernels(KernelSettings(fuse_gelu=True, fp8=True, compile=True, compile_scope="blocks"), "flux")
 
 
 def test_hoisted_modulation_is_refused_for_other_families_and_the_loop_scope(tmp_path):
     with pytest.raises(UserError, match=r"kernels.hoist_modulation=true: .*Flux's .*\['flux'\].*set kernels.hoist_modulation=false"):
-        check_kernels(KernelsConfig(hoist_modulation=True), "pixart")
-    assert output_kernels(KernelsConfig(hoist_modulation=True))["hoist_modulation"]  # a resume with it off is refused
+        check_kernels(KernelSettings(hoist_modulation=True), "pixart")
+    assert output_kernels(KernelSettings(hoist_modulation=True))["hoist_modulation"]  # a resume with it off is refused
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     refusal = r"bcg.scope=loop .*set bcg.scope=step \(or forward\), or kernels.hoist_modulation=false"
     with pytest.raises(UserError, match=refusal):
         run(cpu_job(manifest, tmp_path / "out", "model=tiny_flux", "kernels.hoist_modulation=true", "bcg.scope=loop"))
     assert not (tmp_path / "out" / "images").exists()
     flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
+    apply_kernels(KernelSettings(hoist_modulation=True), flux, None, shapes=1)
     with pytest.raises(UserError, match=refusal):  # a denoiser made outside a job refuses it too
         Denoiser(flux, "loop", "default", 2)
-    with pytest.raises(UserError, match="already precomputed"):
-        apply_kernels(KernelsConfig(hoist_modulation=True), flux, None, shapes=1)
+    with pytest.raises(UserError, match="already runs our own blocks"):
+        apply_kernels(KernelSettings(hoist_modulation=True), flux, None, shapes=1)
 
 
 def test_split_out_projection_is_refused_for_other_families(tmp_path):
-    with pytest.raises(UserError, match=r"kernels.split_out_proj=true: .*Flux's single-stream block .*\['flux'\]"):
-        check_kernels(KernelsConfig(split_out_proj=True), "pixart")
+    with pytest.raises(UserError, match=r"kernels.split_out_proj=true: .*Flux's own blocks .*\['flux'\]"):
+        check_kernels(KernelSettings(split_out_proj=True), "pixart")
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     with pytest.raises(UserError, match=r"set kernels.split_out_proj=false"):  # at start, before any model
         run(cpu_job(manifest, tmp_path / "out", "kernels.split_out_proj=true"))
-
-
-def test_fp8_attention_runs_every_flux_attention_on_float8_inputs_close_to_diffusers():
-    """kernels.fp8_attention on the tiny Flux: every attention module (both block kinds) goes through the
-    float8 op (the probe counts it, and no SDPA call is left); the step stays close to diffusers' and
-    differs from it (the inputs are rounded to float8); compiled as one graph, it computes what it
-    computes eagerly."""
-    from pipeline.kernels import fp8_attention
-    from pipeline.kernels.compile import compile_transformer
-
-    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
-    t = flux.transformer
-    x = random_inputs(flux)
-    with torch.no_grad():
-        reference = flux.guided_eps(x)
-        report = fp8_attention.apply(KernelsConfig(fp8_attention=True), flux)
-        out = flux.guided_eps(x)
-        calls = probe_attention(lambda: flux.guided_eps(x))
-    modules = len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    assert report == {"fp8_attention_modules": modules}
-    assert calls == {fp8_attention.FP8_ATTENTION_OP: modules}
-    assert 0 < rel_err(out, reference) < 0.05
-    compile_transformer(t, "default", "fixed", shapes=1, dynamic=True, scope="blocks")
-    with torch.no_grad():
-        compiled = flux.guided_eps(x)
-    assert rel_err(compiled, out) < 1e-4
-
-
-def test_fp8_attention_hands_its_float8_out_projections_float8_rows(monkeypatch):
-    """kernels.fp8_attention with kernels.fp8 and kernels.split_out_proj on the tiny Flux: every attention
-    module (both block kinds) writes its output as float8 rows that its float8 out-projections multiply
-    as they are (no bf16 output that they read again to quantize); the step is the one whose float8
-    layers quantize the bf16 output themselves, up to the rounding of a different scale."""
-    import pipeline.kernels.fp8 as fp8
-    from pipeline.kernels import fp8_attention
-
-    monkeypatch.setattr(fp8, "check_fp8", lambda device, what=None: None)  # float8 needs sm89+: stand in for it
-    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
-    t = flux.transformer
-    x = random_inputs(flux)
-    report = apply_kernels(KernelsConfig(fp8=True, fp8_attention=True, split_out_proj=True), flux, None, shapes=1)
-    modules = len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    assert report["fp8_attention_modules"] == report["fp8_attention_rows_out"] == modules
-    flagged = [m for m in t.modules() if getattr(m, fp8_attention.ROWS_OUT, False)]
-    with torch.no_grad():
-        rows = flux.guided_eps(x)
-        for module in flagged:
-            setattr(module, fp8_attention.ROWS_OUT, False)
-        quantized_by_the_layers = flux.guided_eps(x)
-    assert 0 < rel_err(rows, quantized_by_the_layers) < 0.05
-    report = apply_kernels(KernelsConfig(fp8=True, fp8_attention=True),
-                           build_model(wide_heads_flux(), torch.device("cpu"), torch.float32), None, shapes=1)
-    assert report["fp8_attention_rows_out"] == len(t.transformer_blocks)  # diffusers' single block joins its output
-
-
-def test_fused_qk_norm_runs_every_flux_attention_through_its_op_as_diffusers_computes_it():
-    """kernels.fuse_qk_norm on the tiny Flux: every attention module (both block kinds) normalizes and
-    rotates its queries and keys through the one op (on the CPU diffusers' own ops: the step is
-    diffusers'), the attention stays PyTorch's SDPA; compiled, the same step; the setting is Flux's,
-    names its kernel in the job's digest, and under fp8_attention leaves the float8 processor alone."""
-    from pipeline.kernels import qk_norm
-    from pipeline.kernels.compile import compile_transformer
-
-    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
-    t = flux.transformer
-    x = random_inputs(flux)
-    modules = len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    with torch.no_grad():
-        reference = flux.guided_eps(x)
-        assert qk_norm.apply(KernelsConfig(fuse_qk_norm=True, fp8_attention=True), flux) == {}
-        report = qk_norm.apply(KernelsConfig(fuse_qk_norm=True), flux)
-        out = flux.guided_eps(x)
-        calls = probe_attention(lambda: flux.guided_eps(x))
-    assert report == {"fused_qk_norm_modules": modules}
-    assert sum(calls.values()) == modules and not any(op in calls for op in ("fp8_attention", "flash_attn"))
-    assert rel_err(out, reference) < 1e-6
-    compile_transformer(t, "default", "fixed", shapes=1, dynamic=True, scope="blocks")
-    with torch.no_grad():
-        compiled = flux.guided_eps(x)
-    assert rel_err(compiled, out) < 1e-4
-    assert output_kernels(KernelsConfig(fuse_qk_norm=True))["qk_norm"] == qk_norm.attention_inputs.SETTING
-    with pytest.raises(UserError, match=r"kernels.fuse_qk_norm=true: the attention it rewrites is Flux's .*this model "
-                                        r"is 'pixart'; set kernels.fuse_qk_norm=false"):
-        check_kernels(KernelsConfig(fuse_qk_norm=True), "pixart")
-
-
-def test_fp8_attention_scales_bound_every_normalized_query_and_are_refused_elsewhere():
-    """The queries' and keys' scales hold the largest value an RMS norm and the rotary embedding can
-    give (all of a row's weight on one dimension) within float8's range, and use most of it; the
-    setting is Flux's and needs float8 tensor cores."""
-    from pipeline.kernels import fp8_attention
-
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    attn = flux.transformer.transformer_blocks[0].attn
-    with torch.no_grad():
-        attn.norm_q.weight.uniform_(-3, 3)
-        attn.norm_added_q.weight.uniform_(-5, 5)
-    scales = fp8_attention.qk_scales(attn)
-    d = attn.head_dim
-    worst = torch.zeros(1, 1, 1, d)
-    worst[..., int(attn.norm_added_q.weight.abs().argmax())] = 7.0
-    peak = attn.norm_added_q(worst).abs().max()
-    assert peak / scales[0] <= fp8_attention.FP8_MAX
-    assert peak / scales[0] > 0.9 * fp8_attention.FP8_MAX
-    with pytest.raises(UserError, match=r"kernels.fp8_attention=true: .*model families \['flux'\]\); this model is "
-                                        r"'pixart'; set kernels.fp8_attention=false"):
-        check_kernels(KernelsConfig(fp8_attention=True), "pixart")
-    with pytest.raises(UserError, match="kernels.fp8_attention=true needs a CUDA GPU with float8 tensor cores"):
-        check_kernels(KernelsConfig(fp8_attention=True), "flux", torch.device("cpu"))
-    assert output_kernels(KernelsConfig(fp8_attention=True))["fp8_attention"] == fp8_attention.SETTING
-    with pytest.raises(UserError, match=r"takes heads of \[32, 64, 128, 256\] dimensions, this model's have 16"):
-        fp8_attention.use_fp8_attention(flux.transformer, torch.device("cuda"))  # tiny_flux: 16
 
 
 def test_fp8_attention_loads_by_tma_only_what_the_accelerator_can_address():
@@ -839,40 +520,3 @@ def test_fp8_attention_loads_by_tma_only_what_the_accelerator_can_address():
     assert fa.tma_layout(q8.transpose(1, 2), k8, v8t) == "queries, keys or values not contiguous"
     assert fa.tma_layout(*tensors(64, offset=8)) == "queries, keys or values not starting on 16 bytes"
 
-
-@pytest.mark.parametrize("split", [False, True])
-def test_fp8_norm_hands_the_float8_layers_their_rows_and_is_refused_without_them(monkeypatch, split):
-    """kernels.fp8_norm on the tiny Flux with float8 layers: every block's norms (a double block's
-    four, its second ones with the residual add before them; a single block's one, with its tokens
-    joined by diffusers' block or read apart by the split one) write float8 rows through their op, which its float8 layers multiply as they are; on the CPU
-    (the op runs the torch ops it replaces) the step is the one whose layers quantize the norms' output
-    themselves; it is named in the digest, and refused without kernels.fp8 and for another family."""
-    import pipeline.kernels.fp8 as fp8
-    from pipeline.kernels import fp8_norm
-
-    monkeypatch.setattr(fp8, "check_fp8", lambda device, what=None: None)  # float8 needs sm89+: stand in for it
-    calls = []
-    reference = fp8_norm.reference
-    monkeypatch.setattr(fp8_norm, "reference", lambda *args: calls.append(args[1] is None) or reference(*args))
-
-    def step(fp8_norm_on: bool):
-        torch.manual_seed(0)
-        flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
-        kernels = KernelsConfig(fp8=True, fp8_norm=fp8_norm_on, fuse_qkv=True, split_out_proj=split)
-        report = apply_kernels(kernels, flux, None, shapes=1)
-        with torch.no_grad():
-            return flux, report, flux.guided_eps(random_inputs(flux))
-    flux, report, rows = step(True)
-    _, _, quantized_by_the_layers = step(False)
-    t = flux.transformer
-    assert report["fp8_norms"] == 4 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    joined_by_diffusers = len(t.single_transformer_blocks) * (not split)
-    # a double block's second norms run through the residual op, whose reference calls the first's
-    assert len(calls) == report["fp8_norms"] and sum(calls) == 4 * len(t.transformer_blocks) + joined_by_diffusers
-    assert torch.equal(rows, quantized_by_the_layers)
-    assert output_kernels(KernelsConfig(fp8=True, fp8_norm=True))["fp8_norm"] == fp8_norm.SETTING
-    with pytest.raises(UserError, match=r"kernels.fp8_norm=true needs kernels.fp8=true: .*set kernels.fp8=true, or "
-                                        r"kernels.fp8_norm=false"):
-        check_kernels(KernelsConfig(fp8_norm=True))
-    with pytest.raises(UserError, match=r"kernels.fp8_norm=true: the norms it rewrites are Flux's .*'pixart'"):
-        check_kernels(KernelsConfig(fp8=True, fp8_norm=True), "pixart")

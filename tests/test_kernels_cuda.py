@@ -15,8 +15,9 @@ from bcg.engine import BCGEngine
 from conftest import cpu_job, model_config, png
 from pipeline.demo import demo_table
 from pipeline.job import run
-from pipeline.config import KernelsConfig
-from pipeline.kernels import apply_kernels, norm, residual
+from pipeline.blocks import pixart
+from pipeline.kernels import apply_kernels, norm
+from pipeline.plans import KernelSettings
 from pipeline.models import build_model
 from pipeline.precision import apply_precision
 
@@ -49,7 +50,7 @@ def demo(tmp_path):
 def test_compiled_transformer_replays_bit_identical_to_the_compiled_eager_path():
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     adapter = build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16)
-    report = apply_kernels(KernelsConfig(attention="cudnn", compile=True), adapter, (64, 64), shapes=8)
+    report = apply_kernels(KernelSettings(attention="cudnn", compile=True), adapter, (64, 64), shapes=8)
     assert report["compile"] and sum(report["attention_calls_per_forward"].values()) == 4
     assert_replay_equals_eager(adapter, (64, 64))
 
@@ -71,7 +72,7 @@ def assert_replay_equals_eager(adapter, key, ladder=(1, 2, 4)):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_diffusers(compiled):
-    """kernels.fuse_residual (kernels=fast's block; `compiled`: its per-step constants compiled too):
+    """kernels.fuse_residual (the fast plan's own blocks; `compiled`: its per-step constants compiled too):
     replay equals the eager call bit for bit at every bucket; in bf16 the step is no further from the
     fp32 step than diffusers' own bf16 block is."""
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
@@ -80,7 +81,7 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
     plain, fused = (build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16) for _ in range(2))
     for model in (plain, fused):
         model.transformer.load_state_dict(exact.transformer.state_dict())
-    report = apply_kernels(KernelsConfig(attention="cudnn", fuse_residual=True, compile=compiled, compile_scope="norms",
+    report = apply_kernels(KernelSettings(attention="cudnn", fuse_residual=True, compile=compiled, compile_scope="norms",
                                          compile_mode="coordinate-descent"), fused, key, shapes=4)
     assert report["residual_norm"] == norm.SETTING
     x = random_inputs(fused, key, 3)
@@ -94,7 +95,7 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
 
 
 def test_fixed_norm_kernel_rounds_as_the_eager_norm_and_a_row_does_not_depend_on_its_batch():
-    """kernels=fast's layer norm on CUDA (pipeline/kernels/norm.py) at PixArt-Sigma's width: within one
+    """The fast plan's layer norm on CUDA (pipeline/kernels/norm.py) at PixArt-Sigma's width: within one
     bf16 rounding of the eager norm; a row's bytes the same whichever rows are normalized with it (a
     bucket, a shard, a resumed batch), and the same on a second call."""
     gen = torch.Generator("cuda").manual_seed(0)
@@ -102,7 +103,7 @@ def test_fixed_norm_kernel_rounds_as_the_eager_norm_and_a_row_does_not_depend_on
     pending = torch.randn(1152, generator=gen, device="cuda") * 0.1
     modulation = (torch.randn(2, 1152, generator=gen, device="cuda") * 0.2).to(torch.bfloat16)
     out = norm.modulated_norm(rows, pending, modulation, 1e-6)
-    eager = residual.modulated_norm(rows, pending, modulation, 1e-6)
+    eager = pixart.modulated_norm(rows, pending, modulation, 1e-6)
     assert out.dtype == torch.bfloat16 and out.shape == rows.shape
     assert torch.allclose(out.float(), eager.float(), rtol=2 ** -7, atol=2 ** -9)
     assert torch.equal(out, norm.modulated_norm(rows, pending, modulation, 1e-6))
@@ -121,14 +122,14 @@ def test_attention_backend_is_applied_and_reported(tmp_path, demo):
 def test_fast_kernels_job_matches_eager_kernels_within_tolerance(tmp_path, demo):
     import numpy as np
 
-    fast = run(cpu_job(demo, tmp_path / "fast", *GPU, "kernels=fast"))
-    plain = run(cpu_job(demo, tmp_path / "plain", *GPU))
+    fast = run(cpu_job(demo, tmp_path / "fast", *GPU, "kernels.plan=fast"))
+    plain = run(cpu_job(demo, tmp_path / "plain", *GPU, "kernels.plan=eager"))
     assert fast["images"]["ok"] == plain["images"]["ok"] == 12 and fast["bcg"]["misses"] == 0
     assert fast["kernels"]["fused_residual_blocks"] > 0 and fast["kernels"]["first_pass_s"] > 0
     diffs = [np.abs(png(p).astype(int) - png(tmp_path / "plain" / "images" / p.name).astype(int))
              for p in (tmp_path / "fast" / "images").iterdir()]
     worst, mean = max(d.max() for d in diffs), float(np.mean([d.mean() for d in diffs]))
-    print(f"kernels=fast vs default, bf16 tiny demo: max {worst} levels, mean {mean:.4f}")
+    print(f"kernels.plan=fast vs eager, bf16 tiny demo: max {worst} levels, mean {mean:.4f}")
     assert worst <= COMPILED_VS_EAGER_MAX_LEVELS
 
 
@@ -167,10 +168,10 @@ def test_fused_gelu_is_the_tanh_gelu_and_changes_the_step_by_rounding_only():
         tanh, exact = module(x), torch.nn.functional.gelu(linear)
         wrapper = torch.nn.Module()
         wrapper.ff = module
-        from pipeline.kernels.gelu import fuse_gelu
+        from pipeline.blocks.layers import swap_tanh_gelus
 
-        assert fuse_gelu(wrapper) == 1
-        fused = module(x)
+        assert swap_tanh_gelus(wrapper) == 1
+        fused = wrapper.ff(x)
     assert (fused - tanh).abs().max() < 1e-5 < (exact - tanh).abs().max()
 
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
@@ -178,7 +179,7 @@ def test_fused_gelu_is_the_tanh_gelu_and_changes_the_step_by_rounding_only():
     x = random_inputs(adapter, (64, 64), 4)
     with torch.no_grad():
         before = adapter.guided_eps(x).float()
-        report = apply_kernels(KernelsConfig(attention="cudnn", fuse_gelu=True), adapter, None, shapes=1)
+        report = apply_kernels(KernelSettings(attention="cudnn", fuse_gelu=True), adapter, None, shapes=1)
         after = adapter.guided_eps(x).float()
     assert report["fused_gelu_layers"] == 2
     assert (after - before).norm() / before.norm() < 0.02

@@ -15,12 +15,13 @@ from bcg.buckets import pick_bucket
 from bcg.buffers import InputSpec, pad_rows
 from bcg.engine import BCGEngine
 from conftest import model_config, wide_heads_flux
-from pipeline.config import KernelsConfig
 from pipeline.denoise import Denoiser
 from pipeline.kernels import apply_kernels
-from pipeline.kernels.fp8 import FP8, to_fp8
+from pipeline.blocks.layers import Fp8Linear, linear as make_linear
+from pipeline.kernels.fp8 import FP8
 from pipeline.models import build_model
 from pipeline.noise import batch_noise
+from pipeline.plans import KernelSettings
 from pipeline.precision import apply_precision
 
 CUDA = torch.cuda.is_available()
@@ -109,9 +110,9 @@ def test_fp8_linear_is_close_to_bf16_eager_compiled_and_replayed():
     x = torch.randn(2, 333, 1024, device="cuda", dtype=torch.bfloat16)  # 666 rows: not a multiple of 16
     with torch.no_grad():
         reference = linear(x)
-        to_fp8(linear)
+        linear = make_linear([linear], as_fp8=True)
         out = linear(x)
-        assert linear.weight.dtype == FP8 and out.dtype == torch.bfloat16
+        assert linear.weight8.dtype == FP8 and out.dtype == torch.bfloat16
         assert rel_err(out, reference) < FP8_LINEAR_REL_ERR
         compiled = torch.compile(linear, fullgraph=True)
         compiled_out = compiled(x)
@@ -123,7 +124,7 @@ def test_fp8_linear_is_close_to_bf16_eager_compiled_and_replayed():
     engine.close()
 
 
-def with_kernels(kernels: KernelsConfig, key=(64, 64), n=2, adapter=None):
+def with_kernels(kernels: KernelSettings, key=(64, 64), n=2, adapter=None):
     """The tiny Flux's (or `adapter`'s) step on n random rows, eagerly, then with `kernels` applied
     (apply_kernels, as a job does) -> (adapter, report, inputs, the step before, the step after)."""
     adapter = adapter or tiny_flux()
@@ -147,11 +148,12 @@ def replayed(adapter, key, inputs, n):
 def test_fp8_flux_compiled_blocks_replay_equals_the_compiled_call(split, gelu):
     """With kernels.split_out_proj the single blocks' two out-projection parts are float8 layers too;
     with kernels.fuse_gelu the GELUs that a float8 layer alone reads run in its quantization's kernel."""
-    kernels = KernelsConfig(fp8=True, split_out_proj=split, fuse_gelu=gelu, compile=True, compile_scope="blocks")
+    kernels = KernelSettings(fp8=True, split_out_proj=split, fuse_gelu=gelu, compile=True, compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels)
-    doubles, singles = len(adapter.transformer.transformer_blocks), len(adapter.transformer.single_transformer_blocks)
-    assert report["fp8_linear_layers"] == 12 + 2 * 5 + (singles if split else 0)
-    assert report.get("fp8_gelu_layers", 0) == ((2 * doubles + (singles if split else 0)) if gelu else 0)
+    t = adapter.transformer
+    fp8_layers = sum(isinstance(m, Fp8Linear) for m in t.modules())
+    assert fp8_layers == 12 * len(t.double_blocks) + (6 if split else 5) * len(t.single_blocks)
+    assert all(b.ff.gelu_rows == gelu for b in t.double_blocks) and all(b.gelu_rows == (gelu and split) for b in t.single_blocks)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
@@ -186,13 +188,12 @@ def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_com
     """kernels.fuse_qkv and kernels.fuse_gelu on Flux (both block kinds), with and without
     kernels.split_out_proj, under the compiled blocks: close to diffusers' bf16 step, and replayed
     bit for bit."""
-    kernels = KernelsConfig(attention="cudnn", fuse_qkv=True, fuse_gelu=True, split_out_proj=split, compile=True,
-                            compile_scope="blocks")
+    kernels = KernelSettings(attention="cudnn", fuse_qkv=True, fuse_gelu=True, split_out_proj=split, compile=True,
+                             compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels)
     t = adapter.transformer
-    assert report.get("split_out_proj_blocks", 0) == (len(t.single_transformer_blocks) if split else 0)
-    assert report["fused_attention_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
-    assert report["fused_gelu_layers"] == 2 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert all(b.split == split for b in t.single_blocks) and len(t.double_blocks[0].attn.qkv) == 1
+    assert report["own_block_settings"] == ["fuse_qkv", "fuse_gelu"] + (["split_out_proj"] if split else [])
     assert rel_err(compiled, reference) < FUSED_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
@@ -215,10 +216,10 @@ def test_hoisted_modulation_under_compiled_blocks_and_graphs_denoises_as_its_eag
         return out
 
     reference = denoise(False)
-    kernels = KernelsConfig(attention="cudnn", fuse_gelu=True, split_out_proj=True, hoist_modulation=True, compile=True,
+    kernels = KernelSettings(attention="cudnn", fuse_gelu=True, split_out_proj=True, hoist_modulation=True, compile=True,
                             compile_scope="blocks")
     report = apply_kernels(kernels, adapter, (64, 64), shapes=4)
-    assert report["hoisted_modulation_norms"] > 0
+    assert "hoist_modulation" in report["own_block_settings"] and adapter.conditioning_varies_per_step
     replayed_latents, eager_latents = denoise(True), denoise(False)
     assert torch.equal(replayed_latents, eager_latents)
     assert rel_err(eager_latents, reference) < FUSED_STEP_REL_ERR
@@ -349,11 +350,11 @@ def test_fused_qk_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
     """kernels.fuse_qk_norm under compiled blocks, with the bf16 path's other Flux settings: every
     attention module runs the kernel, the step stays as close to diffusers' as the fused ops allow, and
     our graph replays it bit for bit."""
-    kernels = KernelsConfig(fuse_qk_norm=True, split_out_proj=True, fuse_gelu=True, compile=True,
+    kernels = KernelSettings(fuse_qk_norm=True, split_out_proj=True, fuse_gelu=True, compile=True,
                             compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels)
     t = adapter.transformer
-    assert report["fused_qk_norm_modules"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert all(b.attn.mode == "kernel" for b in (*t.double_blocks, *t.single_blocks))
     assert rel_err(compiled, reference) < FUSED_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
@@ -362,11 +363,12 @@ def test_fused_qk_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
 def test_fp8_attention_flux_compiled_blocks_replay_equals_the_compiled_call():
     """kernels.fp8_attention with the float8 blocks under compiled blocks: every attention module runs
     the Triton kernel, the step stays close to bf16, and our graph replays it bit for bit."""
-    kernels = KernelsConfig(fp8=True, fp8_attention=True, split_out_proj=True, fuse_gelu=True, compile=True,
+    kernels = KernelSettings(fp8=True, fp8_attention=True, split_out_proj=True, fuse_gelu=True, compile=True,
                             compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny_flux(wide_heads_flux()))
     t = adapter.transformer
-    assert report["fp8_attention_modules"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert all(b.attn.mode == "fp8" for b in (*t.double_blocks, *t.single_blocks))
+    assert report["attention_calls_per_forward"] == {"fp8_attention": len(t.double_blocks) + len(t.single_blocks)}
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
@@ -414,10 +416,10 @@ def test_fp8_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
     """kernels.fp8_norm with the float8 blocks, fused projections and float8 attention under compiled
     blocks: every block's norm writes float8 rows, the step stays close to bf16, and our graph replays
     it bit for bit."""
-    kernels = KernelsConfig(fp8=True, fp8_attention=True, fp8_norm=True, split_out_proj=True, fuse_gelu=True,
+    kernels = KernelSettings(fp8=True, fp8_attention=True, fp8_norm=True, split_out_proj=True, fuse_gelu=True,
                             fuse_qkv=True, compile=True, compile_scope="blocks")
     adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny_flux(wide_heads_flux()))
     t = adapter.transformer
-    assert report["fp8_norms"] == 4 * len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert all(b.rows_in and b.text_rows_in and b.rows_ff for b in t.double_blocks) and all(b.rows_in for b in t.single_blocks)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)

@@ -155,7 +155,7 @@ def test_a_job_with_another_shard_count_is_refused_in_one_line(tmp_path):
 def test_fields_from_the_configs_are_what_outputs_written_before_hold(extra):
     cfg = cpu_job("m.parquet", "out", *extra)
     setup, _ = start(cfg)
-    fields = job_fields(cfg, setup.precision)
+    fields = job_fields(cfg, setup.precision, setup.kernels)
     assert (fields["model"], fields["sampler"], fields["settings"]) == ("tiny", *WRITTEN_BEFORE[extra])
 
 
@@ -166,7 +166,7 @@ def test_fields_from_the_configs_equal_the_built_models(model, extra):
     setup, _ = start(cfg)
     adapter = build_model(cfg.model, CPU, torch.float32)
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
-    fields = job_fields(cfg, setup.precision)
+    fields = job_fields(cfg, setup.precision, setup.kernels)
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label)
 
 

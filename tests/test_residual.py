@@ -1,6 +1,6 @@
-"""kernels.fuse_residual: PixArt's block with its residual adds inside the matmuls (pipeline/kernels/residual.py),
-on the CPU: the same step as diffusers' block, the same images, one compiled layer norm for every shape,
-and the settings it is refused with."""
+"""kernels.fuse_residual: PixArt's own blocks with their residual adds inside the matmuls
+(pipeline/blocks/pixart.py), on the CPU: the same step as diffusers' block, the same images, one
+compiled layer norm for every shape, and the settings it is refused with."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from conftest import cpu_job, model_config, png, rows, write_manifest
-from pipeline.config import KernelsConfig
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import apply_kernels, check_kernels, compile_stats
 from pipeline.kernels.attention import use_flash_attn
-from pipeline.kernels.residual import fuse_residual, step_constants
+from pipeline.blocks.pixart import build as fuse_residual, step_constants
 from pipeline.models import build_model
 from pipeline.resume import ResumeConflict
 from test_kernels import inputs
 
 
-def step(dtype: torch.dtype, kernels: KernelsConfig | None, side: int = 64, n: int = 3) -> torch.Tensor:
+def step(dtype: torch.dtype, kernels: KernelSettings | None, side: int = 64, n: int = 3) -> torch.Tensor:
     """One CFG step of a fresh tiny PixArt (the same weights every call) in `dtype`, with `kernels` applied."""
     adapter = build_model(model_config("tiny"), torch.device("cpu"), dtype)
     if kernels is not None:
@@ -36,7 +36,7 @@ def test_fused_block_computes_diffusers_block():
     """fp32: the same step up to rounding, captions of three lengths masked as PixArt masks them. bf16:
     no further from the fp32 step than diffusers' own bf16 block is (the gated weights round once,
     the sums round once instead of after each add)."""
-    fused = KernelsConfig(fuse_residual=True)
+    fused = KernelSettings(fuse_residual=True)
     truth = step(torch.float32, None)
     torch.testing.assert_close(step(torch.float32, fused), truth, rtol=1e-4, atol=1e-4)
     error = {name: float((step(torch.bfloat16, k) - truth).norm() / truth.norm())
@@ -69,40 +69,37 @@ def test_every_blocks_constants_at_once_equal_the_block_by_block_chain():
 
 
 def test_patch_embedding_hands_the_first_block_contiguous_tokens():
-    """Channels-last convolution output: no strided add of the position embedding, no copy at block 0."""
+    """Channels-last convolution output (our copy of the patch embedding): no strided add of the
+    position embedding, no copy at block 0; the source model's own embedding is left as it was."""
     adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     latents = torch.randn(2, adapter.transformer.config.in_channels, 8, 8)
     before = adapter.transformer.pos_embed(latents)
-    assert not before.is_contiguous()
-    fuse_residual(adapter.transformer)
-    after = adapter.transformer.pos_embed(latents)
-    assert after.is_contiguous()
+    ours = fuse_residual(adapter.transformer, False, None)
+    after = ours.patch_embed(latents)
+    assert after.is_contiguous() and not adapter.transformer.pos_embed(latents).is_contiguous()
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_block_leaves_the_models_other_callers_alone():
-    """The final layer norm takes the bias the blocks carried: a second forward starts from zero, and
-    a final norm without the blocks before it is an error, not a silent wrong answer."""
+def test_own_blocks_leave_the_source_model_alone_and_move_with_their_module():
+    """Two forwards give the same step (nothing carried from one to the next); the source transformer
+    keeps its parameters and its step; our transformer cast to another dtype computes in it."""
     adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    assert fuse_residual(adapter.transformer) == len(adapter.transformer.transformer_blocks)
+    source = adapter.transformer
+    params = {name: p.clone() for name, p in source.named_parameters()}
     x = inputs(adapter)
     with torch.no_grad():
+        reference = adapter.guided_eps(x)
+        adapter.transformer = fuse_residual(source, False, None)
         first, second = adapter.guided_eps(x), adapter.guided_eps(x)
         assert torch.equal(first, second)
-        with pytest.raises(RuntimeError, match="final layer norm ran without the blocks"):
-            adapter.transformer.norm_out(torch.randn(2, 4, adapter.transformer.config.num_attention_heads
-                                                     * adapter.transformer.config.attention_head_dim))
-
-
-def test_a_fused_block_whose_parameters_were_moved_after_fusing_is_refused_not_stale():
-    """The per-step constants read the stacked parameters; a model moved or cast after fusing no longer
-    shares them, which is an error naming the fix, not constants from the old weights."""
-    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    fuse_residual(adapter.transformer)
-    adapter.transformer.to(torch.float64)
-    x = {k: v.double() if v.is_floating_point() else v for k, v in inputs(adapter).items()}
-    with torch.no_grad(), pytest.raises(RuntimeError, match="moved or replaced after the block was fused"):
-        adapter.guided_eps(x)
+        torch.testing.assert_close(first, reference, rtol=1e-4, atol=1e-4)
+        assert all(torch.equal(p, params[name]) for name, p in source.named_parameters())
+        adapter.transformer = source
+        assert torch.equal(adapter.guided_eps(x), reference)
+        ours = fuse_residual(source, False, None).to(torch.float64)
+        adapter.transformer = ours
+        x64 = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
+        assert adapter.guided_eps(x64).dtype == torch.float64 and ours.cross_query.dtype == torch.float64
 
 
 def test_fused_residual_job_makes_the_same_images_and_is_a_setting(tmp_path):
@@ -126,8 +123,8 @@ def test_compiled_norms_serve_every_shape_with_one_graph():
     adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     eager = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     before = compile_stats()
-    report = apply_kernels(KernelsConfig(fuse_residual=True, compile=True, compile_scope="norms"), adapter, None, shapes=4)
-    apply_kernels(KernelsConfig(fuse_residual=True), eager, None, shapes=4)
+    report = apply_kernels(KernelSettings(fuse_residual=True, compile=True, compile_scope="norms"), adapter, None, shapes=4)
+    apply_kernels(KernelSettings(fuse_residual=True), eager, None, shapes=4)
     assert report["compile_scope"] == "norms" and report["fused_residual_blocks"] > 0
     for side, n in ((96, 2), (96, 3), (128, 2), (64, 3)):
         x = inputs(adapter, side, n)
@@ -137,11 +134,11 @@ def test_compiled_norms_serve_every_shape_with_one_graph():
 
 
 @pytest.mark.parametrize("kernels, match", [
-    (KernelsConfig(fuse_residual=True, fuse_qkv=True), "cannot be combined with kernels.fuse_qkv"),
-    (KernelsConfig(fuse_residual=True, fp8=True), "cannot be combined with kernels.fp8"),
-    (KernelsConfig(fuse_residual=True, attention="flash_attn"), "cannot be combined with kernels.attention=flash_attn"),
-    (KernelsConfig(fuse_residual=True, compile=True, compile_scope="blocks"), "set kernels.compile_scope=norms"),
-    (KernelsConfig(compile=True, compile_scope="norms"), "set kernels.fuse_residual=true"),
+    (KernelSettings(fuse_residual=True, fuse_qkv=True), "cannot be combined with kernels.fuse_qkv"),
+    (KernelSettings(fuse_residual=True, fp8=True), "cannot be combined with kernels.fp8"),
+    (KernelSettings(fuse_residual=True, attention="flash_attn"), "cannot be combined with kernels.attention=flash_attn"),
+    (KernelSettings(fuse_residual=True, compile=True, compile_scope="blocks"), "set kernels.compile_scope=norms"),
+    (KernelSettings(compile=True, compile_scope="norms"), "set kernels.fuse_residual=true"),
 ])
 def test_settings_that_would_change_the_fused_block_are_refused(kernels, match):
     with pytest.raises(UserError, match=match):
@@ -156,17 +153,17 @@ def test_a_cuda_job_without_triton_is_refused_before_the_model_is_built(monkeypa
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(UserError, match=r"triton package is not installed .* set kernels.fuse_residual=false"):
-        check_kernels(KernelsConfig(fuse_residual=True), "pixart", torch.device("cuda"))
-    check_kernels(KernelsConfig(fuse_residual=True), "pixart", torch.device("cpu"))  # the CPU's norm is PyTorch's
+        check_kernels(KernelSettings(fuse_residual=True), "pixart", torch.device("cuda"))
+    check_kernels(KernelSettings(fuse_residual=True), "pixart", torch.device("cpu"))  # the CPU's norm is PyTorch's
 
 
 def test_other_models_and_changed_blocks_are_refused_by_name():
     with pytest.raises(UserError, match=r"PixArt's \(model families \['pixart'\]\); this model is 'sd3'"):
-        check_kernels(KernelsConfig(fuse_residual=True), "sd3")
+        check_kernels(KernelSettings(fuse_residual=True), "sd3")
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match="transformer_blocks.0 has norm_type 'ada_norm_zero'"):
-        fuse_residual(dit.transformer)
+        fuse_residual(dit.transformer, False, None)
     pixart = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     use_flash_attn(pixart.transformer, lambda q, k, v, dropout_p=0.0, causal=False: q)
     with pytest.raises(UserError, match="transformer_blocks.0 runs attn1 with FlashAttnProcessor"):
-        fuse_residual(pixart.transformer)
+        fuse_residual(pixart.transformer, False, None)

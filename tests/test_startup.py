@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import cpu_job, model_config, rows, run_python, write_manifest
-from pipeline.config import KernelsConfig
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
 from pipeline.guard import Interrupted
 from pipeline.job import run
 from pipeline.kernels import apply_kernels, check_kernels, compile_cache, output_kernels
 from pipeline.kernels.compile import JOB_CACHE, cache_directory, compile_options, not_reproducible
-from pipeline.kernels.residual import compiled_norm
+from pipeline.blocks.pixart import compiled_norm
 from pipeline.models import build_model
 from pipeline.report import RunReport
 from pipeline.stats import STOP_AFTER_BATCHES
@@ -39,24 +39,24 @@ def stats(out) -> dict:
 
 def test_a_compiling_job_keeps_its_compile_cache_hidden_under_output_dir(tmp_path):
     out = tmp_path / "out"
-    assert cache_directory(KernelsConfig(), out, "cpu") is None  # nothing compiles: torch's environment as it is
-    assert cache_directory(KernelsConfig(compile=True), out, "cpu") == (out / JOB_CACHE).resolve()
-    assert cache_directory(KernelsConfig(compile_decoder=True), out, "cpu") == (out / ".cache" / "inductor").resolve()
-    # kernels=fast compiles nothing, but on CUDA builds its layer norm's Triton kernel: kept with the job too
-    assert cache_directory(KernelsConfig(fuse_residual=True), out, "cuda") == (out / JOB_CACHE).resolve()
-    assert cache_directory(KernelsConfig(fuse_residual=True), out, "cpu") is None
+    assert cache_directory(KernelSettings(), out, "cpu") is None  # nothing compiles: torch's environment as it is
+    assert cache_directory(KernelSettings(compile=True), out, "cpu") == (out / JOB_CACHE).resolve()
+    assert cache_directory(KernelSettings(compile_decoder=True), out, "cpu") == (out / ".cache" / "inductor").resolve()
+    # the fast plan compiles nothing for its blocks, but on CUDA builds its layer norm's Triton kernel: kept too
+    assert cache_directory(KernelSettings(fuse_residual=True), out, "cuda") == (out / JOB_CACHE).resolve()
+    assert cache_directory(KernelSettings(fuse_residual=True), out, "cpu") is None
     shared = tmp_path / "nightly-cache"
-    assert cache_directory(KernelsConfig(compile=True, compile_cache_dir=str(shared)), out, "cpu") == shared.resolve()
+    assert cache_directory(KernelSettings(compile=True, compile_cache_dir=str(shared)), out, "cpu") == shared.resolve()
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with compile_cache(KernelsConfig(compile=True), out, "cpu"):
+    with compile_cache(KernelSettings(compile=True), out, "cpu"):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((out / ".cache/inductor").resolve())
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         assert cache_dir() == str((out / ".cache/inductor").resolve())  # where inductor writes
         assert os.environ["TRITON_CACHE_DIR"] == str((out / ".cache/inductor/triton").resolve())  # and Triton
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
-    with compile_cache(KernelsConfig(), out, "cpu"):
+    with compile_cache(KernelSettings(), out, "cpu"):
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
 
 
@@ -65,22 +65,22 @@ def test_fixed_tuning_is_inductors_deterministic_mode_and_timed_tuning_is_report
     assert compile_options("coordinate-descent", "timed") == {"options": {"coordinate_descent_tuning": True}}
     assert compile_options("max-autotune-no-cudagraphs", "fixed")["options"]["max_autotune"]
     with pytest.raises(UserError, match=r"kernels.compile_tuning='fast' is not accepted; choose one of \['fixed', 'timed'\]"):
-        check_kernels(KernelsConfig(compile=True, compile_tuning="fast"))
-    assert not_reproducible(KernelsConfig(compile=True, fuse_residual=True, compile_scope="norms")) is None
-    assert not_reproducible(KernelsConfig(compile=True, compile_dynamic=False)) is None
-    assert "first shape" in not_reproducible(KernelsConfig(compile=True, compile_scope="blocks"))
+        check_kernels(KernelSettings(compile=True, compile_tuning="fast"))
+    assert not_reproducible(KernelSettings(compile=True, fuse_residual=True, compile_scope="norms")) is None
+    assert not_reproducible(KernelSettings(compile=True, compile_dynamic=False)) is None
+    assert not_reproducible(KernelSettings(compile=True, compile_scope="blocks")) is None  # its first calls: canonical
     # the decoder compiles with fixed tuning whatever the job's: its compile alone is reproducible, and
     # the transformer's mode and tuning do not change the digest of a job that compiles the decoder only
-    decoder_only = KernelsConfig(compile_decoder=True, compile_mode="coordinate-descent", compile_tuning="timed")
+    decoder_only = KernelSettings(compile_decoder=True, compile_mode="coordinate-descent", compile_tuning="timed")
     assert not_reproducible(decoder_only) is None
-    assert output_kernels(decoder_only) == output_kernels(KernelsConfig(compile_decoder=True))
+    assert output_kernels(decoder_only) == output_kernels(KernelSettings(compile_decoder=True))
 
     tiny = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    report = apply_kernels(KernelsConfig(compile=True, compile_scope="blocks", compile_tuning="timed"), tiny, None, shapes=1)
+    report = apply_kernels(KernelSettings(compile=True, compile_scope="blocks", compile_tuning="timed"), tiny, None, shapes=1)
     assert report["compile_tuning"] == "timed" and report["reproducible"] is False
     assert "compile_tuning=timed" in report["not_reproducible"]
     with caplog.at_level("WARNING", logger="pipeline.kernels.compile"):
-        with compile_cache(KernelsConfig(compile=True, compile_tuning="timed"), tmp_path, "cpu"):
+        with compile_cache(KernelSettings(compile=True, compile_tuning="timed"), tmp_path, "cpu"):
             pass
     assert "not the same kernels in every process" in caplog.text  # said at the job's start
 
@@ -180,7 +180,7 @@ def test_the_compiled_layer_norm_is_one_kernel_whatever_row_count_comes_first(tm
     generated = []
     for first_rows, cache in ((32, "a"), (4096, "b")):
         torch._dynamo.reset()
-        with compile_cache(KernelsConfig(compile=True, compile_cache_dir=str(tmp_path / cache)), tmp_path, "cpu"):
+        with compile_cache(KernelSettings(compile=True, compile_cache_dir=str(tmp_path / cache)), tmp_path, "cpu"):
             norm = compiled_norm(True, compile_options("default", "fixed"))
             norm(torch.randn(first_rows, 16), torch.zeros(16), torch.zeros(2, 16), 1e-6)
         code = [p.read_text().splitlines() for p in (tmp_path / cache).rglob("*.py")]

@@ -1,8 +1,14 @@
-"""kernels=fast on the GPU, each run in processes of its own: a job stopped after some batches and
-resumed in a new process, and a job run as two shard processes at once, give the bytes of one
-uninterrupted process (skipped without CUDA); the resumed process loads the layer norm's kernel from the
-job's cache instead of building it again. The tiny model is PixArt's architecture, which kernels=fast
-(fuse_residual, its Triton layer norm) needs."""
+"""Default plans on the GPU give the same bytes in every process (skipped without CUDA), each run in
+processes of its own:
+
+- the fast plan (PixArt; the tiny model is its architecture): a job stopped after some batches and
+  resumed in a new process, and a job run as two shard processes at once, give the bytes of one
+  uninterrupted process; the resumed process loads the layer norm's kernel from the job's cache;
+- Flux's plans, bf16 and float8 (the tiny Flux with heads the float8 attention takes), whose blocks
+  and decoder are compiled: a stopped and resumed job gives the uninterrupted bytes (the resumed
+  process loads what the first compiled), and another job on some of the same rows, with its own
+  compile cache and another first shape, gives those rows' bytes too.
+"""
 
 from __future__ import annotations
 
@@ -20,15 +26,19 @@ from pipeline.kernels.compile import JOB_CACHE
 from pipeline.stats import STOP_AFTER_BATCHES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="float8 needs sm89+")
 # Six batches over three sizes (ladder [1, 2, 4]), so that a shard or a resumed job starts at another shape.
 MANIFEST = rows(*[(f"r{k:02d}", 64, 64, k) for k in range(6)], *[(f"s{k:02d}", 96, 96, 10 + k) for k in range(3)],
                 *[(f"t{k:02d}", 128, 64, 20 + k) for k in range(4)])
-FAST = ("kernels=fast", "runtime.device=cuda:0", "precision=bf16", "sampler.steps=4", "runtime.progress=false",
-        "bcg.ladder=[1,2,4]")
+COMMON = ("runtime.device=cuda:0", "sampler.steps=4", "runtime.progress=false", "bcg.ladder=[1,2,4]")
+FAST = ("kernels.plan=fast", "precision=bf16", *COMMON)
+FLUX = ("model=tiny_flux", "model.arch.transformer.attention_head_dim=32", "model.arch.transformer.axes_dims_rope=[8,12,12]",
+        *COMMON)
 
 
-def job_args(manifest, out, *extra) -> list[str]:
-    return ["-m", "pipeline.run", f"manifest.path={manifest}", f"output.dir={out}", *FAST, *extra]
+def job_args(manifest, out, *extra, plan=FAST) -> list[str]:
+    return ["-m", "pipeline.run", f"manifest.path={manifest}", f"output.dir={out}", *plan, *extra]
 
 
 def images(out) -> dict[str, bytes]:
@@ -82,3 +92,45 @@ def test_two_fast_shard_processes_at_once_give_the_one_process_bytes(whole, tmp_
         assert proc.returncode == 0, err[-3000:]
     assert [s["shard"]["index"] for s in stats(out)["shards"]] == [0, 1]
     assert images(out) == images(reference)
+
+
+def concurrently(*commands: tuple[list[str], dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """Each (job arguments, environment added) as a process of its own, all at once -> their results."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    procs = [subprocess.Popen([sys.executable, *args], cwd=REPO, env=dict(os.environ, **env, PYTHONPATH=path),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, env in commands]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=needs_fp8)])
+def test_flux_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_own_cache(precision, tmp_path):
+    """precision=bf16 runs the flux plan, fp8 the flux-fp8 plan (kernels.plan=auto): their compiled
+    blocks and decoder are generated for the model's native size whatever a job runs first, so a job
+    stopped after two batches and resumed (loading what the first process compiled), and another job
+    on the 128 x 64 rows alone, compiling for itself into its own cache, give the uninterrupted job's
+    bytes. The first three processes run at once."""
+    plan = (*FLUX, f"precision={precision}")
+    manifest = write_manifest(tmp_path / "m.parquet", MANIFEST)
+    some = write_manifest(tmp_path / "some.parquet", [r for r in MANIFEST if r["id"].startswith("t")])
+    whole, stopped, alone = concurrently(
+        (job_args(manifest, tmp_path / "whole", plan=plan), {}),
+        (job_args(manifest, tmp_path / "resumed", plan=plan), {STOP_AFTER_BATCHES: "2"}),
+        (job_args(some, tmp_path / "other", f"kernels.compile_cache_dir={tmp_path / 'own-cache'}", plan=plan), {}))
+    assert whole.returncode == 0 and alone.returncode == 0, (whole.stderr[-3000:], alone.stderr[-3000:])
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    kernels = stats(tmp_path / "whole")["kernels"]
+    assert kernels["plan"] == ("flux" if precision == "bf16" else "flux-fp8") and kernels["reproducible"] is True
+    assert kernels["compiled_for"] == "native-size-rows-1-and-2"
+    resumed = run_python(*job_args(manifest, tmp_path / "resumed", plan=plan), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = stats(tmp_path / "resumed")
+    assert again["images"]["skipped"] > 0 and again["kernels"]["cache_misses"] == 0
+    reference = images(tmp_path / "whole")
+    assert images(tmp_path / "resumed") == reference
+    assert stats(tmp_path / "other")["kernels"]["cache_hits"] == 0  # it compiled for itself
+    other = images(tmp_path / "other")
+    assert len(other) == 4 and other == {name: reference[name] for name in other}

@@ -1,25 +1,21 @@
-"""Which kernels the denoiser runs: one module per option, each with its own `check` (what it refuses
-without a model) where it has one, and `apply` (changes one model instance, returns what it reports):
+"""The kernels the denoiser runs: kernels as plain functions and custom ops, and how a job sets them up.
 
-- attention: kernels.attention, the SDPA backend or flash-attn's processor (`probe`: which ran)
-- text: kernels.trim_text_padding
-- qkv: kernels.fuse_qkv
-- gelu: kernels.fuse_gelu (fp8_gelu: the same setting under kernels.fp8)
-- residual: kernels.fuse_residual (norm: its layer norm's Triton kernel on CUDA)
-- split: kernels.split_out_proj
-- modulation: kernels.hoist_modulation
-- fp8: kernels.fp8 (fp8_norm: kernels.fp8_norm, Flux's norms writing its float8 rows)
-- qk_norm: kernels.fuse_qk_norm (Flux's attention processor; attention_inputs: its kernel)
-- fp8_attention: kernels.fp8_attention (Flux's attention processor)
-- compile: kernels.compile and what every compile shares (mode, tuning, the job's cache, workers, counts)
-  (reductions: kernels.persistent_reductions, inductor's choice of persistent reductions)
-- decoder: kernels.compile_decoder, kernels.decode_chunk
+The job's settings come resolved from its kernel plan (pipeline.plans.KernelSettings). Where they ask
+for what diffusers' modules do not compute, the transformer is replaced by the project's own blocks
+(pipeline.blocks), which call these kernels:
 
-Which settings go together is stated once, as data (SUPPORTED_FAMILIES, EXCLUDES, REQUIRES,
-NEEDS_CUDA): `check_kernels` walks those tables, then each module's own check. Every change is made
-to the adapter's own modules (instance attributes, hooks, processors), never to a class; what a job
-changes in the process (dynamo's limits, the cache directory) is put back when it ends
-(pipeline.process_state).
+- attention: the SDPA backend (or flash-attn's processor) and `probe`, which observes what ran
+- attention_inputs, fp8_attention: Flux's queries' and keys' norms and rotation, and its float8 attention
+- fp8, fp8_gelu, fp8_norm: float8 numerics, the GELU and the modulated norms writing float8 rows
+- norm: PixArt's fixed Triton layer norm (its own blocks, kernels.fuse_residual)
+- qkv: diffusers' fused projections (PixArt, SD3); text: kernels.trim_text_padding
+- compile: inductor (mode, tuning, the cache, the shapes it first compiles, workers, counts);
+  reductions: its persistent reductions; decoder: the compiled VAE decoder
+
+Which settings go together is stated once, as data (SUPPORTED_FAMILIES, EXCLUDES, REQUIRES, NEEDS_CUDA):
+`check_kernels` walks those tables, then each module's own check. A job changes only its own model
+instance, and what it changes in the process (dynamo's limits, the cache directory) is put back when
+it ends (pipeline.process_state).
 """
 
 from __future__ import annotations
@@ -29,18 +25,17 @@ from typing import Callable, Iterable
 
 import torch
 
-from pipeline.config import KernelsConfig
 from pipeline.errors import UserError
-from pipeline.kernels import (attention, attention_inputs, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm,
-                              gelu, modulation, norm, qk_norm, qkv, residual, split, text)
+from pipeline.kernels import attention, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm, qkv, text
+from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
-from pipeline.models.base import Adapter
+from pipeline.plans import KernelSettings
 
 __all__ = [
-    "CONTIGUOUS_HOOK", "QUANTIZE", "REWRITES", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats",
-    "compile_vae_decoder", "decode_in_chunks", "output_kernels", "start_compile_workers", "with_attention",
+    "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
+    "decode_in_chunks", "output_kernels", "start_compile_workers", "with_attention",
 ]
 
 
@@ -50,7 +45,7 @@ class Option:
     to set instead."""
 
     key: str
-    on: Callable[[KernelsConfig], bool]
+    on: Callable[[KernelSettings], bool]
     off: str
 
 
@@ -68,27 +63,23 @@ PERSISTENT, FP8_ATTENTION = switch("persistent_reductions"), switch("fp8_attenti
 FUSE_QK_NORM, FP8_NORM = switch("fuse_qk_norm"), switch("fp8_norm")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
+FLUX_BLOCKS = "Flux's own blocks (model families {families}); this model is {family!r}"
 
 # option -> (the model families it serves, why: "{families}" and "{family}" filled in).
 SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FLASH_ATTN: (("pixart", "dit"), "its processor is written for the attention of model families {families}, "
                                     "not {family!r}"),
     FUSE_QKV: (("pixart", "sd3", "flux"), "diffusers fuses the projections of model families {families}, not {family!r}"),
-    FUSE_RESIDUAL: (("pixart",), "the block it rewrites is PixArt's (model families {families}); this model is {family!r}"),
-    SPLIT_OUT_PROJ: (("flux",), "the block it rewrites is Flux's single-stream block (model families {families}); this "
-                                "model is {family!r}"),
-    HOIST_MODULATION: (("flux",), "the modulation it precomputes is Flux's (one time, guidance and pooled-prompt "
-                                  "embedding for every norm; model families {families}); this model is {family!r}"),
+    FUSE_RESIDUAL: (("pixart",), "the block it computes is PixArt's (model families {families}); this model is {family!r}"),
+    SPLIT_OUT_PROJ: (("flux",), "it splits the out-projection of " + FLUX_BLOCKS),
+    HOIST_MODULATION: (("flux",), "it precomputes the modulation of " + FLUX_BLOCKS),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
-    # fp8 goes with kernels.compile (which fuses the activations' quantization) and under our graphs.
-    FUSE_QK_NORM: (("flux",), "the attention it rewrites is Flux's (model families {families}); this model is "
-                              "{family!r}"),
+    FUSE_QK_NORM: (("flux",), "it computes the attention inputs of " + FLUX_BLOCKS),
     FP8_ATTENTION: (("flux",), "its scales come from the bound of Flux's RMS-normalized queries and keys (model "
                                "families {families}); this model is {family!r}"),
-    FP8_NORM: (("flux",), "the norms it rewrites are Flux's (model families {families}); this model is {family!r}"),
-    FP8: (("pixart", "flux"), "its float8 blocks are measured against bf16 (speed and PSNR, docs/BENCHMARKS.md) for "
-                              "model families {families}, not {family!r}"),
+    FP8_NORM: (("flux",), "it computes the norms of " + FLUX_BLOCKS),
+    FP8: (("flux",), "its float8 blocks are " + FLUX_BLOCKS),
 }
 
 # (option, option it cannot be combined with, why the first excludes the second)
@@ -100,7 +91,7 @@ EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
     (FUSE_RESIDUAL, FLASH_ATTN, RESIDUAL_OWNS_ATTENTION),
 )
 
-# (options that, all on, need another option; why: the config's values filled in, e.g. "{compile_scope}")
+# (options that, all on, need another option; why: the settings' values filled in, e.g. "{compile_scope}")
 REQUIRES: tuple[tuple[tuple[Option, ...], Option, str], ...] = (
     ((NORMS,), FUSE_RESIDUAL, "it compiles what kernels.fuse_residual's block leaves to fuse"),
     ((PERSISTENT,), COMPILE, "it chooses how inductor compiles the transformer's reductions"),
@@ -116,18 +107,28 @@ NEEDS_CUDA: dict[Option, str] = {
                "fused op computes the exact GELU",
 }
 
-# the options that rewrite the model's modules, in the order apply_kernels applies them (after the
-# attention processor, before the probe, fp8 and compile)
-REWRITES = (qkv, gelu, residual, split, modulation, qk_norm, fp8_attention)
-# the options that make layers float8, in order (after the probe, before compile)
-QUANTIZE = (fp8, fp8_gelu, fp8_norm)
+
+def check(kernels: KernelSettings, device: torch.device | None) -> None:
+    """The float8 settings need float8 tensor cores, the Triton kernels Triton, on a known device."""
+    if device is None:
+        return
+    for option in (FP8, FP8_ATTENTION, FP8_NORM):
+        if option.on(kernels):
+            fp8.check_fp8(device, f"kernels.{option.key}")
+    if torch.device(device).type == "cuda":
+        for option, what in ((FUSE_RESIDUAL, "runs its layer norm"), (FP8_NORM, "runs Flux's modulated norms"),
+                             (FUSE_QK_NORM, "normalizes and rotates the queries and keys"),
+                             (FP8_ATTENTION, "computes the attention"),
+                             (FUSE_GELU, "runs the GELU and its float8 quantization") if kernels.fp8 else (None, "")):
+            if option is not None and option.on(kernels):
+                norm.check_triton(f"kernels.{option.key} {what}", option.off)
+
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
-CHECKS = (attention.check, compile.check, decoder.check, fp8.check, fp8_attention.check, fp8_gelu.check,
-          fp8_norm.check, qk_norm.check, residual.check)
+CHECKS = (attention.check, compile.check, decoder.check, check)
 
 
-def check_kernels(kernels: KernelsConfig, family: str | None = None, device: torch.device | None = None) -> None:
+def check_kernels(kernels: KernelSettings, family: str | None = None, device: torch.device | None = None) -> None:
     """What can be refused before the model is built or changed: settings that exclude each other or
     need another, a setting this family cannot use, one that needs CUDA elsewhere, then each option's
     own refusals (`family`, `device` None: not known yet)."""
@@ -147,13 +148,13 @@ def check_kernels(kernels: KernelsConfig, family: str | None = None, device: tor
             raise UserError(refusal)
     if device is not None and torch.device(device).type != "cuda":
         for option, why in NEEDS_CUDA.items():
-            if option.on(kernels):
+            if option.on(kernels) and not (option is FUSE_GELU and kernels.fp8):
                 raise UserError(f"kernels.{option.key} needs CUDA: {why}; set {option.off}")
-    for check in CHECKS:
-        check(kernels, device)
+    for each in CHECKS:
+        each(kernels, device)
 
 
-def family_refusal(kernels: KernelsConfig, family: str) -> str | None:
+def family_refusal(kernels: KernelSettings, family: str) -> str | None:
     """Every setting this family cannot use, in one message, with the whole fix: each one's `off`,
     and what turning the switches off would then need (compile_scope=norms serves fuse_residual only),
     so that one change of the command runs."""
@@ -171,8 +172,11 @@ def family_refusal(kernels: KernelsConfig, family: str) -> str | None:
     return f"{reasons}; set {' '.join(fixes)}"
 
 
-def output_kernels(kernels: KernelsConfig) -> dict:
-    """The kernel settings that change images, where they differ from the defaults."""
+def output_kernels(kernels: KernelSettings) -> dict:
+    """The kernel settings that change images, where they differ from the defaults (part of the
+    settings' digest that a resumed job is checked against)."""
+    from pipeline.blocks.pixart import CONSTANTS
+
     out: dict = {}
     if kernels.attention != "auto":
         out["attention"] = kernels.attention
@@ -182,7 +186,7 @@ def output_kernels(kernels: KernelsConfig) -> dict:
             out[key] = True
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
         out["residual_norm"] = norm.SETTING
-        out["residual_constants"] = residual.CONSTANTS  # how its per-step constants are computed (their rounding)
+        out["residual_constants"] = CONSTANTS  # how its per-step constants are computed (their rounding)
     if kernels.fp8_attention:  # its kernel's block sizes set the order of a row's sums
         out["fp8_attention"] = fp8_attention.SETTING
     elif kernels.fuse_qk_norm:  # its kernel's (the same in fp8_attention's)
@@ -195,6 +199,8 @@ def output_kernels(kernels: KernelsConfig) -> dict:
         out.update(compile=True, compile_mode=kernels.compile_mode, compile_dynamic=kernels.compile_dynamic)
         if kernels.compile_scope != "model":  # keys added later count only away from their default
             out["compile_scope"] = kernels.compile_scope
+        if kernels.compile_dynamic:  # the shapes its kernels are generated for
+            out["compiled_for"] = compile.CANONICAL
     if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
         out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, decoder_compile=list(decoder.DECODER_COMPILE))
     if kernels.compile:  # counted at its default too: a digest without it was made by timed kernels
@@ -202,22 +208,23 @@ def output_kernels(kernels: KernelsConfig) -> dict:
     return out
 
 
-def apply_kernels(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] | None, shapes: int,
-                  texts: Iterable[str] | None = None) -> dict:
-    """Set the kernels of this adapter's modules, in order: the text length (from every prompt the
-    job may encode, `texts`), the attention processor, fused projections, GELU and residual adds,
-    Flux's split out-projection and its precomputed modulation;
-    then observe which attention backend serves its calls (one eager CFG forward, 1 row, at
-    `probe_size`); then fp8, then compile (for `shapes` shapes) -> stats.json's `kernels`."""
-    check_kernels(kernels, adapter.family, adapter.device)
+def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] | None, shapes: int,
+                  texts: Iterable[str] | None = None, device_checks: bool = True) -> dict:
+    """Set the kernels of this adapter, in order: the text length (from every prompt the job may
+    encode, `texts`), the attention processor, our own blocks or diffusers' fused projections and
+    GELUs; then observe which attention backend serves its calls (one eager CFG forward, 1 row, at
+    `probe_size`); then compile (for `shapes` shapes) and the decoder -> stats.json's `kernels`.
+    `device_checks` False: what needs a GPU runs its CPU reference (a benchmark's smoke run)."""
+    from pipeline.blocks import own_blocks
+
+    check_kernels(kernels, adapter.family, adapter.device if device_checks else None)
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
     report.update(text.apply(kernels, adapter, texts))
-    for module in (attention, *REWRITES):
-        report.update(module.apply(kernels, adapter))
+    report.update(attention.apply(kernels, adapter))
+    report.update(qkv.apply(kernels, adapter))
+    report.update(own_blocks(kernels, adapter))
     if probe_size is not None:
         report.update(attention.probe(kernels, adapter, probe_size))
-    for module in QUANTIZE:
-        report.update(module.apply(kernels, adapter))
     report.update(compile.apply(kernels, adapter, shapes))
-    report.update(decoder.apply(kernels, adapter, probe_size))
+    report.update(decoder.apply(kernels, adapter))
     return report

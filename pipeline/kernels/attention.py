@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from contextlib import nullcontext
 from contextvars import ContextVar
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.buffers import StaticInputs
-from pipeline.config import ATTENTION, KernelsConfig
+from pipeline.config import ATTENTION
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
-from pipeline.models.base import Adapter
+
+if TYPE_CHECKING:
+    from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ MATH = "math"
 UNSET = ("auto", "flash_attn")  # no SDPA backend to choose: PyTorch's own choice, or not SDPA at all
 
 
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+def check(kernels: KernelSettings, device: torch.device | None) -> None:
     """A backend that is not accepted, or whose package is missing."""
     if kernels.attention not in ATTENTION:
         raise UserError(f"kernels.attention={kernels.attention!r} is not accepted; choose one of {list(ATTENTION)}")
@@ -63,7 +66,7 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
         )
 
 
-def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
+def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
     """flash-attn's processor on every attention module of this transformer (kernels.attention=
     flash_attn); an SDPA backend is chosen per call instead (`with_attention`). -> {}"""
     if kernels.attention == "flash_attn":
@@ -71,7 +74,7 @@ def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
     return {}
 
 
-def probe(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int]) -> dict:
+def probe(kernels: KernelSettings, adapter: Adapter, probe_size: tuple[int, int]) -> dict:
     """One eager CFG forward (1 row at `probe_size`) under the chosen backend -> {"attention_calls_per_forward":
     {backend: calls}}, or what kept it from being observed."""
     inputs = StaticInputs.allocate(adapter.input_specs(*probe_size), 1, adapter.device).view(1)

@@ -1,8 +1,9 @@
 """Flux's attention inputs: its queries and keys RMS-normalized, joined (text, then image tokens) and
 rotated, straight from the projections' outputs, by one Triton kernel, in the model's dtype
 (kernels.fuse_qk_norm: `rotated_qk` op) or quantized to float8 with the values quantized and
-transposed too (kernels.fp8_attention: `fp8_attention_inputs` op, two kernels); and what both
-settings' attention processors share (`projections`, `out_projections`, the norms' weights).
+transposed too (kernels.fp8_attention: `fp8_attention_inputs` op, two kernels). Flux's own blocks
+(pipeline.blocks.flux) call them with each attention's norms' weights [4, D]: queries, keys, text
+queries, text keys (a single block's text rows repeat the image's).
 
 What the kernels replace (`rotated_reference` and `reference`, which the CPU runs): each head's RMS
 norm of the queries and keys (the text's norms for a double block's text tokens), the text and image
@@ -39,14 +40,12 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from pipeline.errors import UserError
 from pipeline.kernels import fp8, rounding
 
 QK_BLOCK, WARPS = 8, 4  # qk_kernel's tokens per program and warps
 # tokens per value scale: v_kernel's block, a multiple of the attention kernel's key blocks
 V_BLOCK, V_WARPS = 128, 8
 SETTING = f"inputs-pairs-t{QK_BLOCK}-w{WARPS}-vb{V_BLOCK}-w{V_WARPS}"  # in the kernel digest: fuse_qk_norm's, part of fp8_attention's
-NORM_WEIGHTS = "qk_norm_weights"  # an attention module's buffer [4, D]: its norms' weights (`norm_weights`)
 
 
 def rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos, sin, heads: int,
@@ -76,14 +75,31 @@ def reference(query, key, value, text_query, text_key, text_value, norm_weights,
               heads: int, eps: float):
     """The torch ops the float8 kernels replace (see the module's docstring) -> q8, k8 [B, S, H, D]
     float8, v8t [B, H, D, S] float8, v_scale [B, H, blocks of V_BLOCK tokens] float32."""
-    from pipeline.kernels.fp8_attention import quantize_values
-
     query, key, value = rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos,
                                           sin, heads, eps)
     q8 = (query.float() / qk_scales[0]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
     k8 = (key.float() / qk_scales[1]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
     v8t, v_scale = quantize_values(value)
     return q8, k8, v8t, v_scale
+
+
+def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [B, S, H, D] -> (float8 [B, H, D, S] contiguous, scales float32 [B, H, blocks]): one scale per
+    row, head and block of V_BLOCK tokens (the last one partial), from the block's absolute maximum."""
+    batch, tokens, heads, dim = v.shape
+    blocks = -(-tokens // V_BLOCK)
+    padded = torch.nn.functional.pad(v.abs(), (0, 0, 0, 0, 0, blocks * V_BLOCK - tokens))
+    amax = padded.view(batch, blocks, V_BLOCK, heads, dim).amax(dim=(2, 4)).float()  # [B, blocks, H]
+    scale = amax.clamp(min=fp8.MIN_AMAX) / fp8.FP8_MAX
+    # times the inverse of each scale (as the values' Triton kernel computes them)
+    v8 = (v.float() * token_scales(scale.reciprocal(), tokens, 1)[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    return v8.permute(0, 2, 3, 1).contiguous(), scale.transpose(1, 2).contiguous()
+
+
+def token_scales(scale: torch.Tensor, tokens: int, dim: int) -> torch.Tensor:
+    """Scales per block of V_BLOCK tokens along `dim` -> each token's scale along it."""
+    return scale.repeat_interleave(V_BLOCK, dim=dim).narrow(dim, 0, tokens)
+
 
 
 @torch.library.custom_op("bcg::rotated_qk", mutates_args=())
@@ -104,71 +120,6 @@ def _(query, key, text_query, text_key, norm_weights, cos, sin, heads, eps):
     batch, tokens = query.shape[0], query.shape[1] + (0 if text_query is None else text_query.shape[1])
     q = query.new_empty((batch, tokens, heads, query.shape[-1] // heads))
     return q, torch.empty_like(q)
-
-
-def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
-    """[4, D] in the norms' dtype: the weights of the queries', keys', text queries' and text keys'
-    norms (a single block's text rows repeat the image's; a norm without a weight: ones)."""
-    ones = torch.ones_like(attn.norm_q.weight)  # Flux's norms have weights (so do the float8 scales' bounds)
-
-    def weight(norm, otherwise: torch.Tensor) -> torch.Tensor:
-        return otherwise if norm is None else ones if norm.weight is None else norm.weight.detach()
-
-    q, k = weight(attn.norm_q, ones), weight(attn.norm_k, ones)
-    return torch.stack([q, k, weight(getattr(attn, "norm_added_q", None), q),
-                        weight(getattr(attn, "norm_added_k", None), k)])
-
-
-def flux_attentions(transformer: torch.nn.Module, setting: str, device: torch.device) -> list[torch.nn.Module]:
-    """The transformer's Flux attention modules, every one with RMS-normalized queries and keys (the
-    norms these kernels compute) and, on CUDA, heads whose width is a power of two (the kernels' blocks),
-    each given its `NORM_WEIGHTS` buffer; else refused, naming `setting`."""
-    from diffusers.models.transformers.transformer_flux import FluxAttention
-
-    modules = [m for m in transformer.modules() if isinstance(m, FluxAttention)]
-    if not modules or not all(isinstance(m.norm_q, torch.nn.RMSNorm) and isinstance(m.norm_k, torch.nn.RMSNorm)
-                              and m.norm_q.weight is not None for m in modules):
-        raise UserError(f"kernels.{setting}=true: this transformer has no Flux attention with RMS-normalized queries "
-                        f"and keys (weighted norms); set kernels.{setting}=false")
-    dim = modules[0].head_dim
-    if torch.device(device).type == "cuda" and dim & (dim - 1):
-        raise UserError(f"kernels.{setting}=true: the kernels take heads whose width is a power of two, this "
-                        f"model's are {dim} wide; set kernels.{setting}=false")
-    for module in modules:
-        module.register_buffer(NORM_WEIGHTS, norm_weights(module))
-    return modules
-
-
-def projections(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb) -> tuple:
-    """diffusers' FluxAttnProcessor (0.42) up to its norms -> (query, key, value, text_query, text_key,
-    text_value (None in a single block), heads, norm eps); a mask or a missing rotary embedding is
-    refused."""
-    from diffusers.models.transformers.transformer_flux import _get_qkv_projections
-
-    if attention_mask is not None or image_rotary_emb is None:
-        raise NotImplementedError("Flux's attention kernels take no mask, and a rotary embedding")
-    query, key, value, text_query, text_key, text_value = _get_qkv_projections(attn, hidden_states,
-                                                                               encoder_hidden_states)
-    if attn.added_kv_proj_dim is None:
-        text_query = text_key = text_value = None
-    eps = attn.norm_q.eps if attn.norm_q.eps is not None else torch.finfo(query.dtype).eps
-    return query, key, value, text_query, text_key, text_value, query.shape[-1] // attn.head_dim, eps
-
-
-def out_projections(attn, hidden_states: torch.Tensor, encoder_hidden_states):
-    """diffusers' FluxAttnProcessor (0.42) after its attention call, on [B, S, H*D]: a single block's
-    output as it is; a double block's image and text parts through their out-projections."""
-    if encoder_hidden_states is None:
-        return hidden_states
-    text, image = hidden_states.split_with_sizes(
-        [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
-    return project_out(attn, text.contiguous(), image.contiguous())
-
-
-def project_out(attn, text, image) -> tuple:
-    """A double block's text and image attention outputs (tensors, or fp8.QuantizedRows for its float8
-    layers) through their out-projections -> (image, text), as diffusers' processor returns them."""
-    return attn.to_out[1](fp8.linear(attn.to_out[0], image)), fp8.linear(attn.to_add_out, text)
 
 
 @torch.library.custom_op("bcg::fp8_attention_inputs", mutates_args=())

@@ -3,22 +3,24 @@ that our engine captures the compiled kernels like any others; and what every co
 mode's and the tuning's options, the job's on-disk cache, the compile workers, and the counts the
 job reports.
 
-`compile_scope`: `model` compiles the whole transformer; `blocks` its repeated block, once, the code
-reused by every block (diffusers' regional compilation: far shorter compiles, no fusion across
-blocks); `norms` what kernels.fuse_residual's block leaves to fuse (pipeline/kernels/residual.py).
+`compile_scope`: `model` compiles the whole transformer; `blocks` its repeated blocks, each kind once,
+the code reused by every block of it (regional compilation: far shorter compiles, no fusion across
+blocks); `norms` what PixArt's own blocks leave to fuse (pipeline.blocks.pixart, which compiles them
+when it is built).
 
-Why two processes can run different kernels, and what keeps them the same:
+Why two processes could run different kernels, and what keeps them the same:
 - A kernel's block sizes (and with them the order in which a reduction adds, so its rounding) are
-  chosen when it first runs. `compile_tuning=timed` lets inductor time the candidates there (coordinate
-  descent, autotuning): timing noise can choose differently in another process. `fixed` (inductor's
-  deterministic mode) chooses from the kernel's sizes alone.
-- With symbolic sizes, "the kernel's sizes" are the hints of the first call: a process that
-  compiles for itself at another first shape (a shard) generates another kernel. Under
-  `compile_scope=norms` the layer norm on CUDA is no compiled kernel but a Triton kernel whose block
-  sizes are constants (pipeline/kernels/norm.py); compiled elsewhere, it is given a fixed row-count
-  hint (residual.NORM_ROWS_HINT).
-- What one process compiled and tuned lands in the job's cache (`compile_cache`), which the job's
-  later processes on the same device load, choices included (inductor's keys name the device).
+  chosen when it is generated. `compile_tuning=timed` lets inductor time the candidates there
+  (coordinate descent, autotuning): timing noise can choose differently in another process. `fixed`
+  (inductor's deterministic mode) chooses from the kernel's sizes alone.
+- With symbolic sizes, "the kernel's sizes" are the size hints of the first call of each compiled
+  graph (dynamo compiles a batch of 1 apart from larger ones). So that they never depend on the
+  job's first shape, a compiled transformer's first call of each kind is made at a fixed shape
+  (`CANONICAL`: the model's native size, 1 or 2 rows; `CanonicalFirstCalls`), whatever the job runs:
+  every process, shard, resume and job generates the same kernels. PixArt's layer norm off CUDA is
+  compiled for a fixed row-count hint (pipeline.blocks.pixart.NORM_ROWS_HINT).
+- What one process compiled lands in the job's cache (`compile_cache`), which later processes on the
+  same device load instead of compiling (inductor's keys name the device).
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 from types import MethodType
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS, KernelsConfig
+from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
-from pipeline.kernels import reductions, residual
-from pipeline.models.base import Adapter
+from pipeline.kernels import reductions
 from pipeline.process_state import saved_environ
+
+if TYPE_CHECKING:
+    from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ TRACED_ONCE = {"specialize_float": True}
 CONTIGUOUS_HOOK = "_contiguous_output_hook"  # the patch embedding's hook handle (contiguous_block_input)
 
 
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+def check(kernels: KernelSettings, device: torch.device | None) -> None:
     """A compile mode or scope that is not accepted, for whichever compile is on."""
     if kernels.compile or kernels.compile_decoder:
         compile_options(kernels.compile_mode, kernels.compile_tuning)
@@ -57,12 +63,18 @@ def check(kernels: KernelsConfig, device: torch.device | None) -> None:
                         f"choose one of {list(COMPILE_SCOPES)}")
 
 
-def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
+# The shapes a compiled transformer is first called at (the kernels' size hints): the native size, and
+# a batch of 1 or of 2 (dynamo specializes a batch of 1, so each kind has its own kernels).
+CANONICAL = "native-size-rows-1-and-2"
+
+
+def apply(kernels: KernelSettings, adapter: Adapter, shapes: int) -> dict:
     """Compile this adapter's transformer (kernels.compile) -> the compile settings the job reports:
     where the job keeps the kernels it builds and whether every process runs the same kernels
     (`reproducible`, with the reason when not), also where it builds only the decoder's compile
-    (kernels.compile_decoder, its own mode and tuning: pipeline.kernels.decoder) or the Triton layer
-    norm; with kernels.compile, the transformer's mode, tuning, shapes and scope."""
+    (kernels.compile_decoder) or the Triton layer norm; with kernels.compile, the transformer's mode,
+    tuning, shapes and scope. A dynamic compile makes the adapter's step call each kind of graph first
+    at its canonical shape (`CanonicalFirstCalls`)."""
     report: dict = {}
     if builds_kernels(kernels, adapter.device):  # where compile_cache put them (None outside a job)
         why = not_reproducible(kernels)
@@ -75,10 +87,46 @@ def apply(kernels: KernelsConfig, adapter: Adapter, shapes: int) -> dict:
             report.update(persistent_reductions=reductions.MAX_VALUES)
         compile_transformer(adapter.transformer, kernels.compile_mode, kernels.compile_tuning, shapes,
                             kernels.compile_dynamic, kernels.compile_scope, kernels.persistent_reductions)
+        if kernels.compile_dynamic and kernels.compile_scope != "norms":
+            adapter.guided_eps = CanonicalFirstCalls(adapter)
+            report.update(compiled_for=CANONICAL)
     return report
 
 
-def not_reproducible(kernels: KernelsConfig) -> str | None:
+class CanonicalFirstCalls:
+    """The adapter's step (`guided_eps`), which before its first call of each kind (a batch of 1, or
+    of more) makes one call at the canonical shape: the model's native size, 1 or 2 rows, zeros for
+    the latents and conditioning. The compiled graph of that kind is generated for those sizes,
+    whatever size the job runs first. A call while a CUDA graph is being captured must find its kind
+    compiled already (the engine's warm-up passes run before every capture)."""
+
+    def __init__(self, adapter: Adapter):
+        self.step: Callable = adapter.guided_eps
+        self.specs, self.side, self.device = adapter.input_specs, adapter.native_side, adapter.device
+        self.done: set[bool] = set()
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        single = inputs["x"].shape[0] == 1
+        if single not in self.done:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("kernels.compile: a graph kind first called during a CUDA graph capture; "
+                                   "warm-up passes (bcg.warmup >= 1) must run before capture")
+            self.done.add(single)
+            import torch.fx.experimental._config as fx_config
+
+            # without duck sizing, a canonical size that equals a weight's (a tiny model's hidden size)
+            # is not made one symbol with it, which a later shape would have to compile again for
+            with fx_config.patch(use_duck_shape=False):
+                self.step(canonical_inputs(self.specs(self.side, self.side), 1 if single else 2, self.device))
+        return self.step(inputs)
+
+
+def canonical_inputs(specs: dict, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Zeros of every input the step takes, `rows` rows (the size hints are what matters)."""
+    return {name: torch.zeros((rows, *spec.shape), dtype=spec.dtype, device=device) for name, spec in specs.items()}
+
+
+def not_reproducible(kernels: KernelSettings) -> str | None:
     """Why this job's compiled kernels may differ between its processes (and so images by rounding),
     or None where every process runs the same (see the module's docstring)."""
     if kernels.compile and kernels.compile_tuning == "timed":  # the decoder's compile is never timed
@@ -88,11 +136,6 @@ def not_reproducible(kernels: KernelsConfig) -> str | None:
                 "and those that compile for themselves (shards that start together or run on other GPUs, jobs with "
                 "another cache) may make images that differ by rounding; kernels.compile_tuning=fixed makes them "
                 "the same")
-    if kernels.compile and kernels.compile_dynamic and kernels.compile_scope != "norms":
-        return (f"kernels.compile_scope={kernels.compile_scope} with compile_dynamic=true: the block sizes follow the "
-                "sizes of the first shape compiled, which differ between shards that start together or run on other "
-                "GPUs (a resume loads this job's compile cache); compile_scope=norms (kernels=fast) or "
-                "compile_dynamic=false make them the same")
     return None
 
 
@@ -103,7 +146,8 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
     `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager, and
     TRACED_ONCE applies (process-wide settings: the job puts them back when it ends,
-    pipeline.process_state). `persistent`: kernels.persistent_reductions (pipeline.kernels.reductions)."""
+    pipeline.process_state). `persistent`: kernels.persistent_reductions (pipeline.kernels.reductions).
+    `norms`: nothing here (PixArt's own blocks compiled theirs when built)."""
     how = compile_options(mode, tuning, persistent)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
@@ -114,23 +158,28 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
     for key, value in TRACED_ONCE.items():
         setattr(dynamo_config, key, value)
-    if scope == "norms":  # kernels.fuse_residual's block, its per-step constants compiled (and off CUDA its norm)
-        device = next(transformer.parameters()).device
-        residual.fuse_residual(transformer, *residual.compiled_functions(device, dynamic, how, compile_options("default", tuning)))
-    elif dynamic:
+    if scope == "norms":
+        return
+    owned = hasattr(transformer, "repeated_blocks")  # our own blocks (pipeline.blocks): contiguous, no masks
+    if dynamic and not owned:
         broadcast_attention_masks(transformer)
     if scope == "blocks":
-        # diffusers compiles every submodule whose class is listed in `_repeated_blocks` (Flux lists
-        # its two kinds); PixArt, SD3 and DiT do not list theirs, so name the class of the first of
-        # `transformer_blocks` (an attribute of this instance, shadowing the class's).
-        if not type(transformer)._repeated_blocks:
-            transformer._repeated_blocks = (type(transformer.transformer_blocks[0]).__name__,)
-        contiguous_block_input(transformer)
-        transformer.compile_repeated_blocks(dynamic=dynamic, fullgraph=True, **how)
-    elif scope == "model":
+        if not owned:
+            contiguous_block_input(transformer)
+        for block in repeated_blocks(transformer):
+            block.compile(dynamic=dynamic, fullgraph=True, **how)
+    else:
         transformer.compile(dynamic=dynamic, fullgraph=True, **how)
     log.info("kernels: transformer %s compiled with inductor (mode=%s, tuning %s, %s shapes, no inductor CUDA graphs)",
              scope, mode, tuning, "dynamic" if dynamic else "static")
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks a regional compile compiles: our own transformer's, or a diffusers transformer's
+    `transformer_blocks` (and Flux's `single_transformer_blocks`)."""
+    if hasattr(transformer, "repeated_blocks"):
+        return transformer.repeated_blocks()
+    return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", ())]
 
 
 def compile_options(mode: str, tuning: str, persistent: bool = False) -> dict:
@@ -155,7 +204,7 @@ def compile_options(mode: str, tuning: str, persistent: bool = False) -> dict:
     return {"options": options}
 
 
-def start_compile_workers(kernels: KernelsConfig, device: torch.device) -> bool:
+def start_compile_workers(kernels: KernelSettings, device: torch.device) -> bool:
     """Start inductor's compile worker processes now, when this job will compile for CUDA -> whether
     they were started. torch starts them only once dynamo hands it the first graph, and until they
     are up inductor compiles each Triton kernel in this process, one after another. Started before
@@ -168,14 +217,14 @@ def start_compile_workers(kernels: KernelsConfig, device: torch.device) -> bool:
     return True
 
 
-def builds_kernels(kernels: KernelsConfig, device: torch.device | str | None) -> bool:
+def builds_kernels(kernels: KernelSettings, device: torch.device | str | None) -> bool:
     """Whether this job builds kernels a later process can load: an inductor compile, or
     kernels.fuse_residual's Triton layer norm on a CUDA device."""
     triton_norm = kernels.fuse_residual and device is not None and torch.device(device).type == "cuda"
     return kernels.compile or kernels.compile_decoder or triton_norm
 
 
-def cache_directory(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None) -> Path | None:
+def cache_directory(kernels: KernelSettings, out_dir: Path, device: torch.device | str | None) -> Path | None:
     """Where this job keeps the kernels it builds (`builds_kernels`) and the block sizes it tunes:
     kernels.compile_cache_dir, else the job's own folder under output.dir (JOB_CACHE); None when it
     builds none."""
@@ -185,7 +234,7 @@ def cache_directory(kernels: KernelsConfig, out_dir: Path, device: torch.device 
 
 
 @contextmanager
-def compile_cache(kernels: KernelsConfig, out_dir: Path, device: torch.device | str | None):
+def compile_cache(kernels: KernelSettings, out_dir: Path, device: torch.device | str | None):
     """Inductor's on-disk caches (FX graphs, AOT autograd, the tuned block sizes next to each kernel)
     and Triton's (its compiled kernels: inductor's, and kernels.fuse_residual's layer norm on `device`)
     in `cache_directory` while the block runs, then the environment as it was: the next job of the

@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pipeline.config import KernelsConfig
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
 from pipeline.kernels.compile import TRACED_ONCE, compile_options
-from pipeline.models.base import Adapter
+
+if TYPE_CHECKING:
+    from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 # What dynamo says, while it traces, of diffusers' upsampling blocks: their bf16 branch asks an
@@ -28,12 +30,12 @@ CACHED_CALL_NOTICE = r"Dynamo detected a call to a `functools.lru_cache`-wrapped
 DECODER_COMPILE = ("default", "fixed")  # (mode, tuning) of the decoder's compile, the job's settings aside
 
 
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
+def check(kernels: KernelSettings, device: torch.device | None) -> None:
     if kernels.compile_decoder and kernels.decode_chunk < 1:
         raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
 
 
-def padding_note(kernels: KernelsConfig, largest_batch: int) -> str | None:
+def padding_note(kernels: KernelSettings, largest_batch: int) -> str | None:
     """What to say at start when every decoder call would decode padding: a chunk larger than the
     largest batch the job decodes (the ladder's top). None when it would not."""
     chunk = kernels.decode_chunk
@@ -45,28 +47,30 @@ def padding_note(kernels: KernelsConfig, largest_batch: int) -> str | None:
             f"chunk of {chunk}'s)")
 
 
-def apply(kernels: KernelsConfig, adapter: Adapter, probe_size: tuple[int, int] | None) -> dict:
-    """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}."""
+def apply(kernels: KernelSettings, adapter: Adapter, first_call: bool = True) -> dict:
+    """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}. `first_call`:
+    compile now (a chunk decoded at the model's native size), not at the first batch."""
     if not kernels.compile_decoder:
         return {}
-    seconds = compile_decoder(adapter, kernels.decode_chunk, probe_size)
+    seconds = compile_decoder(adapter, kernels.decode_chunk, adapter.native_side if first_call else None)
     log.info("kernels: VAE decoder compiled with inductor (mode=%s, tuning %s), %d latents per call; first pass %.1f s",
              *DECODER_COMPILE, kernels.decode_chunk, seconds)
     return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
 
 
-def compile_decoder(adapter: Adapter, chunk: int, probe_size: tuple[int, int] | None) -> float:
+def compile_decoder(adapter: Adapter, chunk: int, side: int | None) -> float:
     """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through
-    `decode_in_chunks` from now on (the adapter instance's `decode`); with `probe_size`, decode one
-    chunk of zeros there so that the compile happens now, at warm-up, not in the first batch, and at
-    the same size in every process of the job (the manifest's smallest) -> seconds that took."""
+    `decode_in_chunks` from now on (the adapter instance's `decode`); with `side`, decode one chunk of
+    zeros of that side now, so that the compile happens at warm-up, not in the first batch, and its
+    kernels are generated for the same size in every process and job (the model's native size, not
+    the job's first) -> seconds that took."""
     compile_vae_decoder(adapter.vae.decoder)
     decode = adapter.decode
     adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
-    if probe_size is None:
+    if side is None:
         return 0.0
     start = time.perf_counter()
-    zeros = torch.zeros(1, *adapter.latent_shape(*probe_size), dtype=adapter.dtype, device=adapter.device)
+    zeros = torch.zeros(1, *adapter.latent_shape(side, side), dtype=adapter.dtype, device=adapter.device)
     with torch.no_grad():
         adapter.decode(zeros)
     if adapter.device.type == "cuda":

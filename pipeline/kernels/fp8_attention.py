@@ -22,9 +22,9 @@ values are loaded by the GPU's tensor memory accelerator (TMA) where their layou
 address (the same values, slower; said once). The CPU runs `reference`: the same quantized inputs,
 dequantized, through float32 attention with unrounded probabilities.
 
-With kernels.fp8 the attention's output goes to float8 layers (a double block's out-projections, a
-single block's `proj_out_attn` under kernels.split_out_proj), which would read it back to quantize
-it. There the kernel writes it as float8 rows itself (`fp8_attention_rows`), text and image rows
+Where the attention's output goes to float8 layers only (a double block's out-projections, a single
+block's attention part of proj_out under kernels.split_out_proj), which would read it back to
+quantize it, the kernel writes it as float8 rows itself (`fp8_attention_rows`), text and image rows
 apart as the out-projections take them. An output is an average of the values, so no output exceeds
 the largest value: one scale per batch row, the largest value scale of all its heads and blocks
 (times `OUT_HEADROOM`), known before the kernel starts, where a rowwise quantization needs each row's
@@ -40,11 +40,8 @@ from contextlib import nullcontext
 
 import torch
 
-from pipeline.config import KernelsConfig
-from pipeline.errors import UserError
 from pipeline.kernels import attention_inputs, fp8
-from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
-from pipeline.models.base import Adapter
+from pipeline.kernels.attention_inputs import quantize_values, token_scales
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +51,6 @@ V_BLOCK = attention_inputs.V_BLOCK  # tokens per value scale
 P_SHIFT = 8  # probabilities (at most 1) times 2^8 before the float8 cast: small ones keep their bits
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 128, 4, 3  # benchmarks/bench_fp8_attention.py times others
 HEAD_DIMS = (32, 64, 128, 256)  # float8 tensor cores multiply at least 32 values; a block's width is a power of 2
-QK_SCALES = "fp8_qk_scales"  # the attention module's buffer: float32 [2], the queries' and keys' scales
-ROWS_OUT = fp8.ROWS_OUT  # an attention module's flag: it writes float8 rows (`fp8_attention_rows`)
 # float8 outputs: scaled by the values' largest magnitude times this; the probabilities' float8 rounding
 # (at most 2^-4 up) cannot take a row past it
 OUT_HEADROOM = 1.125
@@ -64,86 +59,12 @@ SETTING = (f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}-rows{
            f"+{attention_inputs.SETTING}")
 
 
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
-    """On a known device: float8 tensor cores, or a refusal."""
-    if kernels.fp8_attention and device is not None:
-        fp8.check_fp8(device, "kernels.fp8_attention=true")
-
-
-def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """-> {"fp8_attention_modules": n} when on (with kernels.fp8, "fp8_attention_rows_out": m too), else {}."""
-    if not kernels.fp8_attention:
-        return {}
-    modules = use_fp8_attention(adapter.transformer, adapter.device)
-    log.info("kernels: %d attention modules in float8 (Triton, %s)", modules, SETTING)
-    if not kernels.fp8:
-        return {"fp8_attention_modules": modules}
-    rows_out = rows_to_fp8_layers(adapter.transformer)
-    log.info("kernels: %d attention modules write float8 rows for their float8 out-projections", rows_out)
-    return {"fp8_attention_modules": modules, "fp8_attention_rows_out": rows_out}
-
-
-def rows_to_fp8_layers(transformer: torch.nn.Module) -> int:
-    """With kernels.fp8 (whose layers are made float8 after this): the attention modules whose output
-    only float8 layers read, flagged `ROWS_OUT`, so that the kernel writes it quantized for them (no
-    bf16 output to read again and quantize) -> modules flagged. A double block's attention projects its
-    output itself (to_out, to_add_out); a single block's output goes to its proj_out_attn where
-    kernels.split_out_proj made one (diffusers' block joins it to the MLP's first: not flagged)."""
-    flagged = 0
-    for name in fp8.BLOCKS:
-        for block in getattr(transformer, name, ()):
-            attn = getattr(block, "attn", None)
-            if attn is not None and getattr(attn, QK_SCALES, None) is not None and (
-                    attn.added_kv_proj_dim is not None or hasattr(block, "proj_out_attn")):
-                setattr(attn, ROWS_OUT, True)
-                flagged += 1
-    return flagged
-
-
-def use_fp8_attention(transformer: torch.nn.Module, device: torch.device) -> int:
-    """Fp8FluxAttnProcessor on every Flux attention module whose queries and keys are RMS-normalized,
-    with its scales and norms' weights (this instance only) -> modules changed (none, or heads the
-    kernel cannot take on CUDA: refused; the CPU's reference takes any)."""
-    modules = attention_inputs.flux_attentions(transformer, "fp8_attention", device)
-    if torch.device(device).type == "cuda" and modules[0].head_dim not in HEAD_DIMS:
-        raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(HEAD_DIMS)} dimensions, this "
-                        f"model's have {modules[0].head_dim}; set kernels.fp8_attention=false")
-    processor = Fp8FluxAttnProcessor()
-    for module in modules:
-        module.register_buffer(QK_SCALES, qk_scales(module))
-        module.set_processor(processor)
-    return len(modules)
-
-
-def qk_scales(attn: torch.nn.Module) -> torch.Tensor:
-    """float32 [2]: the float8 scales of this module's queries and keys, sqrt(head_dim) times the
-    largest weight of their norms (the image's and, in a double block, the text's) / 448."""
-    def bound(*norms) -> torch.Tensor:
-        weights = [n.weight.detach().abs().amax().float() for n in norms if n is not None and n.weight is not None]
-        largest = torch.stack(weights).amax() if weights else torch.tensor(1.0)
-        return math.sqrt(attn.head_dim) * largest / FP8_MAX
-
-    q = bound(attn.norm_q, getattr(attn, "norm_added_q", None))
-    k = bound(attn.norm_k, getattr(attn, "norm_added_k", None))
-    return torch.stack([q, k]).to(device=attn.norm_q.weight.device, dtype=torch.float32)
-
-
-def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v [B, S, H, D] -> (float8 [B, H, D, S] contiguous, scales float32 [B, H, blocks]): one scale per
-    row, head and block of V_BLOCK tokens (the last one partial), from the block's absolute maximum."""
-    batch, tokens, heads, dim = v.shape
-    blocks = -(-tokens // V_BLOCK)
-    padded = torch.nn.functional.pad(v.abs(), (0, 0, 0, 0, 0, blocks * V_BLOCK - tokens))
-    amax = padded.view(batch, blocks, V_BLOCK, heads, dim).amax(dim=(2, 4)).float()  # [B, blocks, H]
-    scale = amax.clamp(min=fp8.MIN_AMAX) / FP8_MAX
-    # times the inverse of each scale (as the values' Triton kernel computes them)
-    v8 = (v.float() * token_scales(scale.reciprocal(), tokens, 1)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return v8.permute(0, 2, 3, 1).contiguous(), scale.transpose(1, 2).contiguous()
-
-
-def token_scales(scale: torch.Tensor, tokens: int, dim: int) -> torch.Tensor:
-    """Scales per block of V_BLOCK tokens along `dim` -> each token's scale along it."""
-    return scale.repeat_interleave(V_BLOCK, dim=dim).narrow(dim, 0, tokens)
+def qk_scales(norm_weights: torch.Tensor) -> torch.Tensor:
+    """An attention's norms' weights [4, D] (queries, keys, text queries, text keys) -> float32 [2]:
+    the float8 scales of its queries and keys, sqrt(D) times the largest weight of their norms (the
+    image's and, in a double block, the text's) / 448."""
+    bound = norm_weights.detach().abs().float().view(2, 2, -1).amax(dim=(0, 2))  # [queries, keys]
+    return (math.sqrt(norm_weights.shape[-1]) * bound / FP8_MAX).to(torch.float32)
 
 
 def fp8_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -220,31 +141,6 @@ def fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor, qk_scal
 @fp8_attention.register_fake
 def _(q8, k8, v8t, qk_scales, v_scale, softmax_scale):
     return q8.new_empty(q8.shape, dtype=torch.bfloat16)
-
-
-class Fp8FluxAttnProcessor:
-    """diffusers' FluxAttnProcessor (0.42) with float8 attention: the same projections and
-    out-projections; the norms, the text and image tokens joined, the rotary embedding and the
-    quantization in two kernels (pipeline/kernels/attention_inputs.py), then the attention's."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        *inputs, heads, eps = attention_inputs.projections(attn, hidden_states, encoder_hidden_states,
-                                                           attention_mask, image_rotary_emb)
-        scales = getattr(attn, QK_SCALES)
-        q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(
-            *inputs, getattr(attn, attention_inputs.NORM_WEIGHTS), *image_rotary_emb, scales, heads, eps)
-        count_call(FP8_ATTENTION_OP)
-        softmax_scale, dtype = 1.0 / math.sqrt(attn.head_dim), inputs[0].dtype
-        if not getattr(attn, ROWS_OUT, False):
-            out = torch.ops.bcg.fp8_attention(q8, k8, v8t, scales, v_scale, softmax_scale)
-            return attention_inputs.out_projections(attn, out.to(dtype).flatten(2, 3), encoder_hidden_states)
-        text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
-        text8, text_scale, image8, image_scale = torch.ops.bcg.fp8_attention_rows(q8, k8, v8t, scales, v_scale,
-                                                                                 softmax_scale, text_tokens)
-        image = fp8.QuantizedRows(image8, image_scale, dtype)
-        if encoder_hidden_states is None:
-            return image  # a single block's: its split forward projects it (kernels.split_out_proj)
-        return attention_inputs.project_out(attn, fp8.QuantizedRows(text8, text_scale, dtype), image)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""kernels.fuse_gelu under kernels.fp8: the feed-forward's tanh GELU and the rowwise float8
+"""kernels.fuse_gelu under float8: the feed-forward's tanh GELU and the rowwise float8
 quantization of its output as one Triton kernel, read by the down-projection's float8 matmul.
 
 The up-projection is a float8 matmul, which has no GELU epilogue, so without this its bf16 output is
@@ -15,47 +15,24 @@ and the rest (Flux's 12,288 columns are 8,192 + 4,096), where one block of the n
 would spend a quarter of its lanes on padding. Block sizes and warps are constants (`SETTING`):
 every process reduces a row the same way.
 
-Where: the diffusers `GELU` (tanh, a projection inside) followed by a float8 linear layer in a
-`FeedForward`, and Flux's single-stream block once kernels.split_out_proj has given its MLP its own
-out-projection (`proj_out_mlp`); the activation module only projects, the next layer's forward
-quantizes. The CPU runs the same op as the torch ops it replaces (`reference`), which the tests
-compare; a layer wider than MAX_COLS keeps its GELU, counted.
+Flux's own blocks (pipeline.blocks.flux) call it where a float8 layer alone reads a tanh GELU's
+output: a double block's feed-forwards, and a single block's MLP once kernels.split_out_proj gives it
+its own out-projection. The CPU runs the torch ops it replaces (`reference`), which the tests compare.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
-from types import MethodType
 
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import KernelsConfig
-from pipeline.errors import UserError
-from pipeline.kernels import fp8, norm, rounding
-from pipeline.models.base import Adapter
-
-log = logging.getLogger(__name__)
+from pipeline.kernels import fp8, rounding
 
 MAX_COLS = 16384  # a row in one program's registers
 WARPS = 8  # benchmarks/bench_fp8_gelu.py times others
 SETTING = f"triton-row-warps{WARPS}-two-blocks-ex2-rcp"  # in the job's kernel digest: another setting, other bytes
-
-
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
-    """On a CUDA device, the kernel can be built, or a refusal."""
-    if kernels.fuse_gelu and kernels.fp8 and device is not None and torch.device(device).type == "cuda":
-        norm.check_triton("kernels.fuse_gelu=true with kernels.fp8=true runs the GELU and its float8 quantization",
-                          "kernels.fuse_gelu=false")
-
-
-def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """-> {"fp8_gelu_layers": n, ...} with kernels.fuse_gelu and kernels.fp8 on (after fp8.apply), else {}."""
-    if not (kernels.fuse_gelu and kernels.fp8):
-        return {}
-    return fuse_gelu_quantization(adapter.transformer)
 
 
 def reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,81 +126,3 @@ def _triton_gelu_quantize(rows: torch.Tensor, warps: int = WARPS) -> tuple[torch
             _kernel()[(n_rows,)](rows, q, scale, n_cols, fp8.FP8_MAX, fp8.MIN_AMAX, HEAD=head, TAIL=tail,
                                  num_warps=warps)
     return q, scale
-
-
-def gelu_fp8_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [..., K], the up-projection's output before its GELU -> this float8 layer's output on GELU(x)."""
-    x8, scale = torch.ops.bcg.gelu_quantize_rows(x.reshape(-1, x.shape[-1]))
-    return fp8.scaled_matmul(linear, x8, scale, x.shape, x.dtype)
-
-
-def fuse_gelu_quantization(transformer: torch.nn.Module) -> dict:
-    """Every tanh GELU whose output only a float8 linear layer reads moves into that layer's
-    quantization (instance attributes) -> {"fp8_gelu_layers": fused, and where some could not:
-    "fp8_gelu_kept": n}; none fused: refused."""
-    from diffusers.models.activations import GELU
-
-    fused, kept = 0, []
-    for name, module in transformer.named_modules():
-        pair = _ff_pair(module, GELU) or _single_stream_pair(module)
-        if pair is None:
-            if _joined_single_stream(module):
-                kept.append(f"{name}: its GELU output is joined to the attention's before proj_out "
-                            f"(kernels.split_out_proj=true separates them)")
-            continue
-        activation, down = pair
-        if down.in_features > MAX_COLS:
-            kept.append(f"{name}: {down.in_features} features, more than a row of the kernel ({MAX_COLS})")
-            continue
-        activation()
-        down.forward = MethodType(gelu_fp8_forward, down)
-        fused += 1
-    if not fused:
-        raise UserError("kernels.fuse_gelu=true with kernels.fp8=true: this transformer has no tanh GELU read by a float8 "
-                        "linear layer alone; set kernels.fuse_gelu=false")
-    log.info("kernels: %d tanh GELUs fused into their down-projection's float8 quantization", fused)
-    if kept:
-        log.warning("kernels.fuse_gelu: %d GELUs stay unfused under fp8, e.g. %s", len(kept), kept[0])
-        return {"fp8_gelu_layers": fused, "fp8_gelu_kept": len(kept)}
-    return {"fp8_gelu_layers": fused}
-
-
-def _is_tanh_gelu(module: object, gelu_class: type = torch.nn.GELU) -> bool:
-    """torch's GELU module, or diffusers' (`gelu_class`, a projection inside), in its tanh form."""
-    return isinstance(module, gelu_class) and module.approximate == "tanh"
-
-
-def _ff_pair(module: torch.nn.Module, gelu_class: type):
-    """A diffusers FeedForward: net = [GELU(tanh), dropouts..., float8 linear] -> (make the GELU
-    module only project, the linear layer), else None."""
-    net = getattr(module, "net", None)
-    if not isinstance(net, torch.nn.ModuleList) or len(net) < 2:
-        return None
-    act = net[0]
-    if not _is_tanh_gelu(act, gelu_class):
-        return None
-    rest = [m for m in list(net)[1:] if not isinstance(m, (torch.nn.Dropout, torch.nn.Identity))]
-    if len(rest) != 1 or not fp8.is_fp8(rest[0]):
-        return None
-
-    def only_project() -> None:
-        act.forward = lambda hidden_states, *args, **kwargs: act.proj(hidden_states)
-
-    return only_project, rest[0]
-
-
-def _single_stream_pair(module: torch.nn.Module):
-    """Flux's single-stream block split by kernels.split_out_proj: proj_mlp, act_mlp (tanh GELU),
-    proj_out_mlp (float8) -> (make act_mlp an identity, proj_out_mlp), else None."""
-    act, down = getattr(module, "act_mlp", None), getattr(module, "proj_out_mlp", None)
-    if not (_is_tanh_gelu(act) and fp8.is_fp8(down)):
-        return None
-
-    def identity() -> None:
-        module.act_mlp = torch.nn.Identity()
-
-    return identity, down
-
-
-def _joined_single_stream(module: torch.nn.Module) -> bool:
-    return _is_tanh_gelu(getattr(module, "act_mlp", None)) and fp8.is_fp8(getattr(module, "proj_out", None))

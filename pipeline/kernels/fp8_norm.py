@@ -16,47 +16,22 @@ scale (`fp8.QuantizedRows`), which the float8 layers multiply as they are. The r
 powers of two, as in the GELU's kernel (Flux's 3,072 channels are 2,048 + 1,024). Block sizes and
 warps are constants (`SETTING`): every process reduces a row the same way.
 
-The CPU runs `reference`, the torch ops the kernel replaces; a norm with an affine weight, its own
-embedding or a reader that is not a float8 layer keeps its forward.
+Flux's own blocks (pipeline.blocks.flux) call it where only float8 layers read a norm's output. The
+CPU runs `reference`, the torch ops the kernel replaces.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from types import MethodType
 
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import KernelsConfig
-from pipeline.errors import UserError
-from pipeline.kernels import fp8, norm, rounding
+from pipeline.kernels import fp8, rounding
 from pipeline.kernels.fp8_gelu import row_blocks
-from pipeline.models.base import Adapter
-
-log = logging.getLogger(__name__)
 
 WARPS = 4
 SETTING = f"triton-row-warps{WARPS}-two-blocks"  # in the job's kernel digest: another setting, other bytes
-
-
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
-    """On a known device: float8 tensor cores and Triton, or a refusal."""
-    if kernels.fp8_norm and device is not None:
-        fp8.check_fp8(device, "kernels.fp8_norm=true")
-        if torch.device(device).type == "cuda":
-            norm.check_triton("kernels.fp8_norm=true runs Flux's modulated norms and their float8 quantization",
-                              "kernels.fp8_norm=false")
-
-
-def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """-> {"fp8_norms": n} with kernels.fp8_norm (after fp8.apply), else {}."""
-    if not kernels.fp8_norm:
-        return {}
-    norms = norms_to_rows(adapter.transformer)
-    log.info("kernels: %d modulated layer norms write float8 rows for their float8 layers (Triton, %s)", norms, SETTING)
-    return {"fp8_norms": norms}
 
 
 def reference(image: torch.Tensor, text: torch.Tensor | None, shift: torch.Tensor, scale: torch.Tensor,
@@ -218,104 +193,3 @@ def _(rows, update, gate, shift, scale, eps):
     batch, tokens, channels = rows.shape
     return (rows.new_empty(rows.shape), rows.new_empty(rows.shape, dtype=fp8.FP8),
             rows.new_empty((batch * tokens, 1), dtype=torch.float32))
-
-
-def rows_forward(module: torch.nn.Module, x, *args, emb: torch.Tensor | None = None, **kwargs) -> tuple:
-    """diffusers' AdaLayerNormZero / AdaLayerNormZeroSingle forward with its normed output as float8
-    rows (`fp8.QuantizedRows`): the same modulation chunks after it. `x`: the rows, or (text, image)
-    rows to normalize as if joined (a single block's tokens, not copied together first)."""
-    emb = module.linear(module.silu(emb))
-    text, image = x if isinstance(x, tuple) else (None, x)
-    shift, scale, *rest = emb.chunk(emb.shape[1] // image.shape[-1], dim=1)  # 6 (AdaLayerNormZero) or 3 (Single)
-    x8, row_scale = torch.ops.bcg.modulated_norm_rows(image, text, shift, scale, module.norm.eps)
-    return (fp8.QuantizedRows(x8, row_scale, image.dtype), *rest)
-
-
-def double_forward(block: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                   temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' FluxTransformerBlock.forward (0.42) with each stream's residual add, second norm and
-    its modulation as one kernel (`residual_norm_rows`) whose float8 rows its feed-forward multiplies:
-    the same arguments and results."""
-    norm_hidden, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
-    norm_context, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(encoder_hidden_states, emb=temb)
-    outputs = block.attn(hidden_states=norm_hidden, encoder_hidden_states=norm_context,
-                         image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    if len(outputs) != 2:
-        raise NotImplementedError("kernels.fp8_norm's double block takes the attention's image and text outputs only "
-                                  "(no IP-adapter output)")
-    out = []
-    for rows, update, gate, shift, scale, ff, gate_ff, norm2 in (
-            (hidden_states, outputs[0], gate_msa, shift_mlp, scale_mlp, block.ff, gate_mlp, block.norm2),
-            (encoder_hidden_states, outputs[1], c_gate_msa, c_shift_mlp, c_scale_mlp, block.ff_context, c_gate_mlp,
-             block.norm2_context)):
-        added, x8, row_scale = torch.ops.bcg.residual_norm_rows(rows, update, gate, shift, scale, norm2.eps)
-        out.append(added + gate_ff.unsqueeze(1) * ff(fp8.QuantizedRows(x8, row_scale, rows.dtype)))
-    hidden_states, encoder_hidden_states = out
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
-
-
-def norms_to_rows(transformer: torch.nn.Module) -> int:
-    """Every Flux block's first norm whose every reader is a float8 layer, with `rows_forward` and
-    flagged `fp8.ROWS_OUT`; every double block whose second norms feed float8 layers, with
-    `double_forward` (this instance only) -> norms changed (none: refused)."""
-    changed = 0
-    for name in fp8.BLOCKS:
-        for block in getattr(transformer, name, ()):
-            for norm_module, readers in _first_norms(block):
-                if _plain_modulated(norm_module) and readers and all(map(fp8.is_fp8, readers)):
-                    norm_module.forward = MethodType(rows_forward, norm_module)
-                    setattr(norm_module, fp8.ROWS_OUT, True)
-                    changed += 1
-            if _second_norms_to_rows(block):
-                block.forward = MethodType(double_forward, block)
-                changed += 2
-    if not changed:
-        raise UserError("kernels.fp8_norm=true: this transformer has no Flux modulated norm read by float8 layers only "
-                        "(it needs kernels.fp8=true and Flux's blocks); set kernels.fp8_norm=false")
-    return changed
-
-
-def _first_norms(block: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
-    """(norm, the layers that read its output) for a Flux block's first norms: a double block's norm1
-    (the attention's query, key and value projections of the image) and norm1_context (the text's); a
-    single block's norm (the attention's projections and the MLP's up-projection)."""
-    attn = getattr(block, "attn", None)
-    if attn is None:
-        return []
-    image = [attn.to_qkv] if getattr(attn, "fused_projections", False) else [attn.to_q, attn.to_k, attn.to_v]
-    if hasattr(block, "norm1"):  # a double block
-        text = ([getattr(attn, "to_added_qkv", None)] if getattr(attn, "fused_projections", False)
-                else [getattr(attn, name, None) for name in ("add_q_proj", "add_k_proj", "add_v_proj")])
-        return [(block.norm1, image), (getattr(block, "norm1_context", None), text)]
-    if hasattr(block, "norm") and hasattr(block, "proj_mlp"):  # a single block
-        return [(block.norm, image + [block.proj_mlp])]
-    return []
-
-
-def _second_norms_to_rows(block: torch.nn.Module) -> bool:
-    """A Flux double block whose second norms (plain LayerNorms, modulated in its forward) feed
-    feed-forwards whose first layer is float8 (`double_forward` can take it)."""
-    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
-
-    def fp8_first(ff) -> bool:
-        net = getattr(ff, "net", None)
-        return isinstance(net, torch.nn.ModuleList) and fp8.is_fp8(getattr(net[0], "proj", None))
-
-    return (type(block) is FluxTransformerBlock and _plain(block.norm2) and _plain(block.norm2_context)
-            and fp8_first(block.ff) and fp8_first(block.ff_context))
-
-
-def _plain_modulated(module: object) -> bool:
-    """A norm of diffusers' AdaLayerNormZero kind without an embedding of its own: a LayerNorm without
-    affine weights, modulated by shift and scale, the first two chunks of its projection."""
-    return (_plain(getattr(module, "norm", None)) and getattr(module, "emb", None) is None
-            and hasattr(module, "linear") and hasattr(module, "silu"))
-
-
-def _plain(layer_norm: object) -> bool:
-    """A LayerNorm without affine weights (Flux's)."""
-    return isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.weight is None and layer_norm.bias is None
-

@@ -1,23 +1,28 @@
-"""kernels.fuse_qkv: diffusers' fused projections, one q|k|v matmul per self-attention and one k|v
-per cross-attention; for Flux's joint attention one q|k|v for the image stream and one for the text
-stream (the same math in wider matmuls, whose rounding may differ)."""
+"""kernels.fuse_qkv for PixArt and SD3: diffusers' fused projections, one q|k|v matmul per
+self-attention and one k|v per cross-attention (the same math in wider matmuls, whose rounding may
+differ). Flux's own blocks join theirs (pipeline.blocks.flux)."""
 
 from __future__ import annotations
 
 import logging
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from pipeline.config import KernelsConfig
+from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
-from pipeline.models.base import Adapter
+
+if TYPE_CHECKING:
+    from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 
 
-def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """-> {"fused_attention_layers": n} when on, else {}."""
-    if not kernels.fuse_qkv:
+def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
+    """-> {"fused_attention_layers": n} when on, else {} (Flux's own blocks fuse their projections
+    themselves: pipeline.blocks.flux)."""
+    if not kernels.fuse_qkv or adapter.family == "flux":
         return {}
     layers = fuse_qkv(adapter.transformer)
     log.info("kernels: fused q|k|v projections in %d attention layers", layers)
@@ -29,12 +34,9 @@ def fuse_qkv(transformer: torch.nn.Module) -> int:
     v of each cross-attention), with diffusers' fused attention processor; the projections the fused
     processor no longer reads are removed (no dead weights in memory or in fp8's count) -> attention
     layers fused. Refused where diffusers' fused processor would compute something else."""
-    from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
-    # PixArt's and SD3's `Attention`; Flux's `FluxAttention` (an AttentionModuleMixin that can fuse)
-    attentions = [m for m in transformer.modules() if isinstance(m, Attention)
-                  or isinstance(m, AttentionModuleMixin) and m._supports_qkv_fusion]
+    attentions = [m for m in transformer.modules() if isinstance(m, Attention)]  # PixArt's and SD3's
     if type(transformer).__name__ == "SD3Transformer2DModel":
         # diffusers' FusedJointAttnProcessor2_0 applies no q/k norm and needs the text stream in every
         # attention: SD3.5's qk norm and its second (image-only) attention would silently change.

@@ -6,15 +6,17 @@ do less work."""
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from pipeline.config import KernelsConfig
-from pipeline.models.base import Adapter
+from pipeline.plans import KernelSettings
+
+if TYPE_CHECKING:
+    from pipeline.models.base import Adapter
 
 log = logging.getLogger(__name__)
 
 
-def apply(kernels: KernelsConfig, adapter: Adapter, texts: Iterable[str] | None) -> dict:
+def apply(kernels: KernelSettings, adapter: Adapter, texts: Iterable[str] | None) -> dict:
     """The adapter's text length fitted to `texts` (every prompt the job may encode) -> {"text_length": n}
     when on, else {}."""
     if not kernels.trim_text_padding:

@@ -153,7 +153,13 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
 
 def to_diffusers(adapter):
     """diffusers' own pipeline (PixArtSigmaPipeline, StableDiffusion3Pipeline, DiTPipeline, FluxPipeline) over
-    the adapter's modules: the same weights, for parity checks and benchmarks."""
+    the adapter's modules: the same weights, for parity checks and benchmarks. Refused for an adapter
+    whose transformer is our own blocks (pipeline.blocks): take the adapter as it was before its kernels."""
+    from pipeline.blocks import is_own
+
+    if is_own(adapter.transformer):
+        raise RuntimeError(f"model {adapter.name}: its transformer is our own {type(adapter.transformer).__name__}; "
+                           "diffusers' pipeline runs over the adapter as built, before its kernels were applied")
     return FAMILIES[adapter.family].to_diffusers(adapter)
 
 

@@ -28,7 +28,7 @@ class Adapter(Protocol):
     vae_scale_factor: int
     scheduler_class: str  # diffusers scheduler class name of the checkpoint
     scheduler_config: dict[str, Any]
-    transformer: torch.nn.Module  # the denoiser, whose kernels pipeline.kernels sets
+    transformer: torch.nn.Module  # the denoiser: diffusers' model, or our own blocks over its weights (pipeline.blocks)
     vae: torch.nn.Module
     # True: a step is one forward over [negative; positive] conditioning (2B rows) and a guidance
     # combine, conditioning inputs [B, 2, ...]. False (guidance-distilled, e.g. Flux): one forward
@@ -43,6 +43,10 @@ class Adapter(Protocol):
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """(C, h, w) of one item's latents."""
+
+    @property
+    def native_side(self) -> int:
+        """The checkpoint's own side in pixels (compiled code's first calls are made there)."""
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """prompts (N) -> conditioning tensors by name, each [N, ...] on `device`. Row i depends on
@@ -179,6 +183,13 @@ class TransformerVAE:
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         f = self.vae_scale_factor
         return (self.latent_channels, height // f, width // f)
+
+    @property
+    def native_side(self) -> int:
+        """The side the checkpoint was trained at (within max_side): where compiled code is first called,
+        so that its kernels do not depend on a job's sizes (pipeline.kernels.compile)."""
+        side = self.transformer.config.sample_size * self.vae_scale_factor
+        return min(side, self.max_side // self.granularity * self.granularity)
 
 
 class TextEncodedVAE(TransformerVAE):

@@ -22,17 +22,20 @@ true CFG (`true_cfg_scale` > 1 with a negative prompt) is `with_true_cfg`: one f
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from bcg.buffers import InputSpec, pad_rows
+from pipeline.blocks.flux import FluxTransformer
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
+from pipeline.model_info import default_tokens
 from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
 from pipeline.models.source import Source, default_max_side, load_component, make_modules, vae_scale_factor
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
@@ -64,6 +67,11 @@ class FluxAdapter(TextEncodedVAE):
     def latent_channels(self) -> int:
         """Channels of the unpacked latents: the transformer sees 2x2 patches of them."""
         return self.transformer.config.in_channels // PACK**2
+
+    @property
+    def native_side(self) -> int:
+        """FluxPipeline's default sample size (1024 px), within max_side."""
+        return min(NATIVE_LATENT_SIDE * self.vae_scale_factor, self.max_side // self.granularity * self.granularity)
 
     def with_true_cfg(self, scale: float) -> "FluxAdapter":
         """This adapter over the same modules, running diffusers' true CFG at `scale` (> 1): each
@@ -104,24 +112,24 @@ class FluxAdapter(TextEncodedVAE):
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         """Conditioning [K, ...] per row: K = 1 (the prompt), or 2 ([negative, positive]) with true CFG."""
         config, k = self.transformer.config, 2 if self.uses_cfg else 1
-        hoisted = self._hoisted_modulation()
+        hoisted = self._hoisted()
         return {
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
             "emb": InputSpec((k, self.max_sequence_length, config.joint_attention_dim), self.dtype),
             # kernels.hoist_modulation: the step's precomputed modulation vector in its place
-            "pooled": InputSpec((k, config.pooled_projection_dim if hoisted is None else hoisted.width), self.dtype),
+            "pooled": InputSpec((k, config.pooled_projection_dim if hoisted is None else hoisted.modulation_width),
+                                self.dtype),
         }
 
-    def _hoisted_modulation(self) -> torch.nn.Module | None:
-        """kernels.hoist_modulation's stand-in for the time embedding (pipeline.kernels.modulation), or None."""
-        embedding = self.transformer.time_text_embed
-        return embedding if hasattr(embedding, "modulation_table") else None
+    def _hoisted(self) -> FluxTransformer | None:
+        """Our own transformer when it takes each step's precomputed modulation (kernels.hoist_modulation), else None."""
+        return self.transformer if isinstance(self.transformer, FluxTransformer) and self.transformer.hoisted else None
 
     @property
     def conditioning_varies_per_step(self) -> bool:
-        return self._hoisted_modulation() is not None
+        return self._hoisted() is not None
 
     def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor, timesteps: torch.Tensor,
                               rows: int) -> Callable[[int], dict[str, torch.Tensor]] | None:
@@ -131,7 +139,7 @@ class FluxAdapter(TextEncodedVAE):
         over `rows` rows (the bucket: padded with zeros, so that a row's vectors come from the same
         matmul whatever its batch-mates) -> step -> the conditioning with "pooled" [n, K, width].
         Else None."""
-        hoisted = self._hoisted_modulation()
+        hoisted = self._hoisted()
         if hoisted is None:
             return None
         n, k, steps = cond["pooled"].shape[0], cond["pooled"].shape[1], timesteps.shape[0]
@@ -145,8 +153,7 @@ class FluxAdapter(TextEncodedVAE):
         vectors = hoisted.modulation_table(
             (transformer_timestep(timesteps, self.dtype) * 1000).repeat_interleave(rows * k), guidance_rows,
             pooled.reshape(rows * k, -1).repeat(steps, 1)).view(steps, rows, k, -1)
-        # a tensor of its own per step: compiled blocks given a view of the table would compile again
-        return lambda step: {**cond, "pooled": vectors[step, :n].clone()}
+        return lambda step: {**cond, "pooled": vectors[step, :n]}
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step's model output, graph-safe: x [B,16,h,w], t [B] (sigma x 1000), g [B] (guidance
@@ -158,7 +165,7 @@ class FluxAdapter(TextEncodedVAE):
         k = inputs["emb"].shape[1]
         emb = inputs["emb"].transpose(0, 1).reshape(k * b, *inputs["emb"].shape[2:])
         pooled = inputs["pooled"].transpose(0, 1).reshape(k * b, -1)
-        packed = FluxPipeline._pack_latents(x, b, c, h, w)
+        packed = pack(x)
         txt_ids, img_ids = position_ids(h, w, emb.shape[1], x.device, x.dtype)
         guidance = g if self.transformer.config.guidance_embeds else None
         out = self.transformer(
@@ -174,12 +181,27 @@ class FluxAdapter(TextEncodedVAE):
         if k == 2:
             uncond, cond = out.chunk(2)
             out = uncond + self.true_cfg_scale * (cond - uncond)
-        f = self.vae_scale_factor
-        return FluxPipeline._unpack_latents(out, h * f, w * f, f).to(x.dtype)
+        return unpack(out, h, w).to(x.dtype)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_shifted(self.vae, latents)
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """Latents [B, C, h, w] -> 2x2 patches [B, h/2 * w/2, 4C] (row-major patches, each (C, 2, 2) flat),
+    as FluxPipeline packs them."""
+    b, c, h, w = x.shape
+    patches = x.view(b, c, h // PACK, PACK, w // PACK, PACK).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // PACK) * (w // PACK), c * PACK * PACK)
+
+
+def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """`pack`'s inverse: [B, h/2 * w/2, 4C] -> [B, C, h, w]."""
+    b, _, channels = x.shape
+    c = channels // (PACK * PACK)
+    patches = x.view(b, h // PACK, w // PACK, c, PACK, PACK).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, c, h, w)
 
 
 def transformer_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -215,6 +237,10 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
 
 
 def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> FluxAdapter:
+    """The adapter; a checkpoint without a guidance embedding (FLUX.1-schnell-like) pads prompts to 256
+    T5 tokens where the config says nothing (pipeline.model_info)."""
+    if cfg.max_sequence_length is None:
+        cfg = dataclasses.replace(cfg, max_sequence_length=default_tokens(cfg))
     arch = source.configs
     factories = {
         "transformer": lambda: TRANSFORMER(**arch["transformer"]),

@@ -1,4 +1,5 @@
-"""PixArt's transformer block with its residual adds done by the matmuls (`kernels.fuse_residual`).
+"""PixArt's transformer with blocks of our own whose residual adds are done by the matmuls
+(`kernels.fuse_residual`), built from a diffusers `PixArtTransformer2DModel`'s weights.
 
 diffusers' block writes each out-projection's output, then reads it back with the residual stream to
 add `gate * out` (an elementwise pass over [tokens, C] per add, three per block). Here cuBLAS adds
@@ -17,34 +18,32 @@ What is left outside the matmuls and attention is one kernel per layer norm, LN(
 (1 + scale) + shift: on CUDA a Triton kernel with fixed block sizes (pipeline/kernels/norm.py: the same
 bytes in every process, nothing tuned at start), elsewhere `modulated_norm` (compiled with
 `compile_scope=norms`); and the per-step constants (modulations, carried biases, the cross-attention
-query biases), which depend on the timestep and the weights only. The first block computes them for
-every block at once (`step_constants`, a dozen batched ops over the blocks' stacked parameters: no
-compile needed, nothing for inductor to set up in a new process); each block then gates its two
-out-projection weights. The patch embedding's convolution writes channels-last, so the tokens reach
-the first block contiguous (no strided add of the position embedding, no copy).
+query biases), which depend on the timestep and the weights only. The forward computes them for
+every block at once before the first (`step_constants`, a dozen batched ops over the blocks'
+stacked parameters: no compile needed, nothing for inductor to set up in a new process); each block
+then gates its two out-projection weights. The patch embedding's convolution (a channels-last copy)
+writes the tokens contiguous (no strided add of the position embedding, no copy).
 
-The block adds into its input tensor, which PixArt's forward never reads again; it runs inference
-only (dropout skipped). Its caller must give every row the same timestep (our denoiser does: one
-step per batch, CFG's halves and padded rows included); rows at different steps would all get the
-first row's modulation. Images differ from diffusers' block by rounding: the gated weights round
-once to bf16, the sums round once instead of after each add.
+A block adds into its input tensor, which the forward never reads again; it runs inference only
+(dropout skipped). Its caller must give every row the same timestep (our denoiser does: one step
+per batch, CFG's halves and padded rows included); rows at different steps would all get the first
+row's modulation. Images differ from diffusers' block by rounding: the gated weights round once to
+bf16, the sums round once instead of after each add.
 """
 
 from __future__ import annotations
 
-import logging
+import copy
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import KernelsConfig
+from pipeline.blocks.layers import GeluLinear, Linear
 from pipeline.errors import UserError
 from pipeline.kernels import norm as fixed_norm
-from pipeline.models.base import Adapter
 
-log = logging.getLogger(__name__)
 
 # The row count the dynamic norm's kernel is generated for (inductor's size hint, which picks its
 # block sizes), in place of the first call's: the same kernel in every process, whichever shape it
@@ -58,26 +57,6 @@ CONSTANTS = "batched"
 
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 ConstantsFn = Callable[..., tuple[torch.Tensor, ...]]
-
-
-def check(kernels: KernelsConfig, device: torch.device | None) -> None:
-    """On a CUDA device, the layer norm's Triton kernel can be built, or a refusal."""
-    if kernels.fuse_residual and device is not None and torch.device(device).type == "cuda":
-        fixed_norm.check_triton()
-
-
-def apply(kernels: KernelsConfig, adapter: Adapter) -> dict:
-    """The fused block, its layer norms the Triton kernel on CUDA and PyTorch's ops elsewhere, its
-    per-step constants batched over the blocks (compile_scope=norms compiles them, and off CUDA the
-    norms: pipeline.kernels.compile) -> {"fused_residual_blocks": n, "residual_norm": the norm's
-    kernel} when on, else {}."""
-    if not kernels.fuse_residual:
-        return {}
-    blocks = fuse_residual(adapter.transformer, norm_kernel(adapter.device))
-    cuda = adapter.device.type == "cuda"
-    log.info("kernels: the residual adds of %d blocks inside their matmuls, layer norms by %s", blocks,
-             f"the Triton kernel {fixed_norm.SETTING}" if cuda else "PyTorch's ops")
-    return {"fused_residual_blocks": blocks, "residual_norm": fixed_norm.SETTING if cuda else "eager"}
 
 
 def norm_kernel(device: torch.device) -> NormFn:
@@ -143,23 +122,18 @@ def step_constants(step: torch.Tensor, tables: torch.Tensor, attn_out_bias: torc
             before_ff, torch.stack((scale_mlp, shift_mlp), dim=1), gate_mlp, exit)
 
 
-def stack_parameters(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One [L, ...] tensor holding these same-shaped parameters, each of them now a view of its row
-    (their values unchanged): batched ops read them in one pass, and the model holds them once."""
-    stacked = torch.stack([p.detach() for p in parameters])
-    for i, parameter in enumerate(parameters):
-        parameter.data = stacked[i]
-    return stacked
-
-
 def stack_blocks(blocks: list[torch.nn.Module]) -> BlockStack:
+    """The blocks' parameters that the constants read, stacked (copies: the source model is left as it is)."""
+    def stacked(get) -> torch.Tensor:
+        return torch.stack([get(b).detach() for b in blocks])
+
     return BlockStack(
-        tables=stack_parameters([b.scale_shift_table for b in blocks]),
-        attn_out_bias=stack_parameters([b.attn1.to_out[0].bias for b in blocks]),
-        cross_query=stack_parameters([b.attn2.to_q.weight for b in blocks]),
-        cross_query_bias=stack_parameters([b.attn2.to_q.bias for b in blocks]),
-        cross_out_bias=stack_parameters([b.attn2.to_out[0].bias for b in blocks]),
-        ff_out_bias=stack_parameters([b.ff.net[2].bias for b in blocks]),
+        tables=stacked(lambda b: b.scale_shift_table),
+        attn_out_bias=stacked(lambda b: b.attn1.to_out[0].bias),
+        cross_query=stacked(lambda b: b.attn2.to_q.weight),
+        cross_query_bias=stacked(lambda b: b.attn2.to_q.bias),
+        cross_out_bias=stacked(lambda b: b.attn2.to_out[0].bias),
+        ff_out_bias=stacked(lambda b: b.ff.net[2].bias),
     )
 
 
@@ -187,59 +161,6 @@ def compiled_norm(dynamic: bool, options: dict) -> NormFn:
         return compiled(rows, pending, modulation, eps)
 
     return norm
-
-
-class ResidualStream:
-    """One forward's per-step constants, computed by the first block for every block, read by each
-    block (its row) and by the final layer norm (the bias the stream still lacks)."""
-
-    def __init__(self, stack: BlockStack, constants: ConstantsFn, first_table: torch.nn.Parameter) -> None:
-        self.stack, self.constants, self.first_table = stack, constants, first_table
-        self.step: StepConstants | None = None
-
-    def start(self, step: torch.Tensor) -> StepConstants:
-        """step: the timestep embedding of this forward's rows [6, C] -> every block's constants."""
-        if self.first_table.data_ptr() != self.stack.tables.data_ptr():
-            raise RuntimeError("kernels.fuse_residual: the blocks' parameters were moved or replaced after the block "
-                               "was fused (they no longer share the stacked tensors); apply the kernels after the model "
-                               "is where and what it runs as")
-        self.step = StepConstants(*self.constants(step, *self.stack.tensors()))
-        return self.step
-
-    def current(self, who: str = "a block") -> StepConstants:
-        if self.step is None:
-            raise RuntimeError(f"kernels.fuse_residual: {who} ran without the blocks before it")
-        return self.step
-
-    def take(self) -> torch.Tensor:
-        """The bias the stream lacks after the last block; the forward's constants are done with."""
-        step, self.step = self.current("the final layer norm"), None
-        return step.exit[-1]
-
-
-def fuse_residual(transformer: torch.nn.Module, norm: NormFn = modulated_norm,
-                  constants: ConstantsFn = step_constants) -> int:
-    """Replace the forward of every block of a PixArt transformer (and its final layer norm) as
-    described above, on those module instances (their classes keep diffusers' forward; the
-    parameters the constants read become views of stacked tensors, their values unchanged); `norm`,
-    `constants`: modulated_norm (or its Triton kernel, norm_kernel) and step_constants, or their
-    compiled forms -> blocks changed. Refused (naming the module and what is accepted) where the block
-    is not the one this reproduces."""
-    blocks = list(getattr(transformer, "transformer_blocks", []))
-    out_norm = getattr(transformer, "norm_out", None)
-    if not blocks or not isinstance(out_norm, torch.nn.LayerNorm) or out_norm.elementwise_affine:
-        raise UserError("kernels.fuse_residual=true: only PixArt transformers (adaLN-single blocks, a final LayerNorm "
-                        "without affine) are accepted; set kernels.fuse_residual=false")
-    for i, block in enumerate(blocks):
-        check_block(block, f"transformer_blocks.{i}")
-    stream = ResidualStream(stack_blocks(blocks), constants, blocks[0].scale_shift_table)
-    for i, block in enumerate(blocks):
-        block.forward = _block_forward(block, i, stream, norm)
-    out_norm.forward = _norm_out_forward(out_norm, stream, norm)
-    proj = getattr(getattr(transformer, "pos_embed", None), "proj", None)
-    if isinstance(proj, torch.nn.Conv2d):  # its output [B, C, h, w] in channels-last is [B, h*w, C] contiguous
-        proj.to(memory_format=torch.channels_last)
-    return len(blocks)
 
 
 def check_block(block: torch.nn.Module, name: str) -> None:
@@ -274,55 +195,132 @@ def check_block(block: torch.nn.Module, name: str) -> None:
         refuse("has a feed-forward other than activation, dropout, linear")
 
 
-def attention_rows(attn, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None,
-                   query_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """diffusers' AttnProcessor2_0 up to (not including) the out-projection: x [B, N, C], context
-    [B, L, Cc], mask additive [B, 1, L] or None -> [B*N, heads*dim]. `query_bias` replaces to_q's bias."""
-    batch, tokens, _ = x.shape
-    q = F.linear(x, attn.to_q.weight, attn.to_q.bias if query_bias is None else query_bias)
-    k, v = attn.to_k(context), attn.to_v(context)
-    heads = attn.heads
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """diffusers' AttnProcessor2_0 between its projections and its out-projection: q [B, N, C], k and v
+    [B, L, C], mask additive [B, 1, L] or None -> [B*N, C]."""
+    batch, tokens, _ = q.shape
     dim = k.shape[-1] // heads
     q, k, v = (t.view(batch, -1, heads, dim).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:  # [B, 1, L] -> [B, heads, 1, L], a broadcast view as broadcast_attention_masks makes
+    if mask is not None:  # [B, 1, L] -> [B, heads, 1, L]: the mask diffusers repeats per head, as a broadcast view
         mask = mask.unsqueeze(1).expand(batch, heads, mask.shape[-2], mask.shape[-1])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
     return out.transpose(1, 2).reshape(batch * tokens, heads * dim)
 
 
-def _block_forward(block, index: int, stream: ResidualStream, norm: NormFn):
-    eps1, eps2 = block.norm1.eps, block.norm2.eps
-    attn1, attn2, net = block.attn1, block.attn2, block.ff.net
+def _weight(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t.detach(), requires_grad=False)
 
-    def forward(hidden_states: torch.Tensor, attention_mask=None, encoder_hidden_states=None,
-                encoder_attention_mask=None, timestep=None, cross_attention_kwargs=None, class_labels=None,
-                added_cond_kwargs=None) -> torch.Tensor:
-        if cross_attention_kwargs:
-            raise ValueError(f"kernels.fuse_residual's block takes no cross_attention_kwargs, got {sorted(cross_attention_kwargs)}")
-        batch, tokens, channels = hidden_states.shape
-        h = hidden_states.contiguous()
+
+class ResidualBlock(torch.nn.Module):
+    """diffusers' PixArt BasicTransformerBlock (adaLN-single) adding into the residual stream it is given."""
+
+    def __init__(self, block: torch.nn.Module, index: int, gelu_epilogue: bool):
+        super().__init__()
+        self.index = index
+        self.eps1, self.eps2 = block.norm1.eps, block.norm2.eps
+        a1, a2 = block.attn1, block.attn2
+        self.heads1, self.heads2 = a1.heads, a2.heads
+        self.q1, self.k1, self.v1 = (Linear(layer.weight, layer.bias) for layer in (a1.to_q, a1.to_k, a1.to_v))
+        self.out1 = _weight(a1.to_out[0].weight)
+        self.k2, self.v2 = (Linear(layer.weight, layer.bias) for layer in (a2.to_k, a2.to_v))
+        self.out2 = _weight(a2.to_out[0].weight)
+        up = block.ff.net[0]  # diffusers' activation module, its projection inside
+        self.ff_up = GeluLinear(up.proj.weight, up.proj.bias) if gelu_epilogue else up
+        self.ff_down = _weight(block.ff.net[2].weight)
+
+    def forward(self, h: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None, c: StepConstants,
+                norm: NormFn, cross_query: torch.Tensor) -> torch.Tensor:
+        """h [B, N, C] contiguous, added into in place (and returned); context [B, L, C]; c: this step's
+        constants of every block (this one reads row `index`); cross_query: its cross-attention's query
+        weight [C, C] (a row of the stack the constants read)."""
+        i = self.index
+        batch, tokens, channels = h.shape
         rows = h.view(batch * tokens, channels)
-        # One denoising step per batch: row 0's timestep embedding is every row's.
-        c = stream.start(timestep.view(batch, 6, channels)[0]) if index == 0 else stream.current()
-        # Self-attention: rows += gate_msa * (attn(LN(h)) @ W_o^T + b_o), the bias left pending
-        x = norm(rows, c.entry[index], c.attn_mod[index], eps1).view(batch, tokens, channels)
-        rows.addmm_(attention_rows(attn1, x, x, attention_mask), (attn1.to_out[0].weight * c.gate_msa[index, :, None]).t())
-        # Cross-attention on the stream itself (PixArt applies no norm here): its query bias adds pending back
-        out = attention_rows(attn2, h, encoder_hidden_states, encoder_attention_mask, c.query_bias[index])
-        rows.addmm_(out, attn2.to_out[0].weight.t())
-        # Feed-forward: rows += gate_mlp * (ff(LN(h)) @ W_2^T + b_2)
-        ff = net[0](norm(rows, c.before_ff[index], c.ff_mod[index], eps2))
-        rows.addmm_(ff, (net[2].weight * c.gate_mlp[index, :, None]).t())
+        # self-attention: rows += gate_msa * (attn(LN(h)) @ W_o^T + b_o), the bias left pending
+        x = norm(rows, c.entry[i], c.attn_mod[i], self.eps1).view(batch, tokens, channels)
+        attn = attention_rows(self.q1(x), self.k1(x), self.v1(x), self.heads1, None)
+        rows.addmm_(attn, (self.out1 * c.gate_msa[i, :, None]).t())
+        # cross-attention on the stream itself (PixArt applies no norm here): its query bias adds pending back
+        q = F.linear(h, cross_query, c.query_bias[i])
+        rows.addmm_(attention_rows(q, self.k2(context), self.v2(context), self.heads2, context_mask), self.out2.t())
+        # feed-forward: rows += gate_mlp * (ff(LN(h)) @ W_2^T + b_2)
+        ff = self.ff_up(norm(rows, c.before_ff[i], c.ff_mod[i], self.eps2))
+        rows.addmm_(ff, (self.ff_down * c.gate_mlp[i, :, None]).t())
         return h
 
-    return forward
+
+class PixArtTransformer(torch.nn.Module):
+    """PixArtTransformer2DModel's forward over ResidualBlocks: the per-step constants of every block
+    computed once before the first (`constants`), each layer norm by `norm` (on CUDA the fixed Triton
+    kernel; either may be compiled: compile_scope=norms). `config`, `dtype`, `device` are the source's."""
+
+    def __init__(self, source: torch.nn.Module, gelu_epilogue: bool, norm: NormFn, constants: ConstantsFn):
+        super().__init__()
+        blocks = list(getattr(source, "transformer_blocks", []))
+        out_norm = getattr(source, "norm_out", None)
+        if not blocks or not isinstance(out_norm, torch.nn.LayerNorm) or out_norm.elementwise_affine:
+            raise UserError("kernels.fuse_residual=true: only PixArt transformers (adaLN-single blocks, a final LayerNorm "
+                            "without affine) are accepted; set kernels.fuse_residual=false")
+        for i, block in enumerate(blocks):
+            check_block(block, f"transformer_blocks.{i}")
+        self.config, self._dtype = source.config, source.dtype
+        self.patch_embed = copy.deepcopy(source.pos_embed)  # its convolution writes channels-last: tokens contiguous
+        self.patch_embed.proj.to(memory_format=torch.channels_last)
+        self.adaln_single, self.caption_projection = source.adaln_single, source.caption_projection
+        stack = stack_blocks(blocks)
+        for f in fields(BlockStack):  # buffers: they move and cast with the module
+            self.register_buffer(f.name, getattr(stack, f.name))
+        self.blocks = torch.nn.ModuleList(ResidualBlock(b, i, gelu_epilogue) for i, b in enumerate(blocks))
+        self.norm, self.constants = norm, constants
+        self.out_eps, self.scale_shift_table, self.proj_out = out_norm.eps, source.scale_shift_table, source.proj_out
+        self.out_channels, self.additional_conditions = source.out_channels, source.use_additional_conditions
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+    def stack(self) -> BlockStack:
+        return BlockStack(*(getattr(self, f.name) for f in fields(BlockStack)))
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
+                added_cond_kwargs: dict | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                return_dict: bool = False):
+        """diffusers' arguments (no self-attention mask, no cross_attention_kwargs) -> (output,)."""
+        assert not return_dict, "our blocks return a tuple"
+        if self.additional_conditions and added_cond_kwargs is None:
+            raise ValueError("`added_cond_kwargs` cannot be None when using additional conditions for `adaln_single`.")
+        mask = None
+        if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:  # as diffusers: additive, [B, 1, L]
+            mask = ((1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0).unsqueeze(1)
+        batch = hidden_states.shape[0]
+        patch = self.config.patch_size
+        height, width = hidden_states.shape[-2] // patch, hidden_states.shape[-1] // patch
+        h = self.patch_embed(hidden_states).contiguous()
+        t, embedded_t = self.adaln_single(timestep, added_cond_kwargs, batch_size=batch, hidden_dtype=h.dtype)
+        context = self.caption_projection(encoder_hidden_states).view(batch, -1, h.shape[-1])
+        # one denoising step per batch: row 0's timestep embedding is every row's
+        c = StepConstants(*self.constants(t.view(batch, 6, -1)[0], *self.stack().tensors()))
+        for block in self.blocks:
+            h = block(h, context, mask, c, self.norm, self.cross_query[block.index])
+        channels = h.shape[-1]
+        none = torch.zeros(2, channels, dtype=h.dtype, device=h.device)  # PixArt modulates after its final norm
+        h = self.norm(h.reshape(-1, channels), c.exit[-1], none, self.out_eps).view(h.shape)
+        shift, scale = (self.scale_shift_table[None] + embedded_t[:, None].to(self.scale_shift_table.device)).chunk(2, dim=1)
+        h = self.proj_out(h * (1 + scale) + shift).squeeze(1)
+        h = h.reshape(-1, height, width, patch, patch, self.out_channels)
+        h = torch.einsum("nhwpqc->nchpwq", h)
+        return (h.reshape(-1, self.out_channels, height * patch, width * patch),)
 
 
-def _norm_out_forward(module: torch.nn.LayerNorm, stream: ResidualStream, norm: NormFn):
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        channels = hidden_states.shape[-1]
-        none = torch.zeros(2, channels, dtype=hidden_states.dtype, device=hidden_states.device)  # PixArt modulates after
-        rows = hidden_states.reshape(-1, channels)
-        return norm(rows, stream.take(), none, module.eps).view(hidden_states.shape)
-
-    return forward
+def build(source: torch.nn.Module, gelu_epilogue: bool, compiled: dict | None) -> PixArtTransformer:
+    """The fused-residual transformer of this diffusers PixArt transformer, its norm and constants plain
+    (`compiled` None) or compiled (compile_scope=norms: `compiled` has compiled_functions' keywords but
+    the device)."""
+    device = source.device
+    norm, constants = (norm_kernel(device), step_constants) if compiled is None else compiled_functions(device, **compiled)
+    return PixArtTransformer(source, gelu_epilogue, norm, constants)

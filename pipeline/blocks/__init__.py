@@ -1,0 +1,74 @@
+"""The project's own transformer blocks, built from a diffusers model's weights when the kernel plan asks
+for what diffusers' modules do not compute (pipeline.plans):
+
+- flux: `FluxTransformer` (pipeline.blocks.flux), for any of Flux's block settings;
+- pixart: `PixArtTransformer` (pipeline.blocks.pixart), for kernels.fuse_residual.
+
+`own_blocks` replaces the adapter's transformer with ours (the adapter instance only: a copy made
+before, e.g. a benchmark's baseline, keeps diffusers' own). Other families, and these without those
+settings, keep diffusers' transformer; `swap_tanh_gelus` gives its feed-forwards the GELU epilogue.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pipeline.blocks import flux, pixart
+from pipeline.blocks.layers import swap_tanh_gelus
+from pipeline.errors import UserError
+from pipeline.kernels.compile import compile_options
+from pipeline.plans import KernelSettings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["is_own", "own_blocks", "owns_blocks"]
+
+
+def is_own(transformer) -> bool:
+    """Whether this transformer is one of our own (not a diffusers model)."""
+    return isinstance(transformer, (flux.FluxTransformer, pixart.PixArtTransformer))
+
+
+def owns_blocks(settings: KernelSettings, family: str) -> bool:
+    """Whether these settings run this family on our own blocks."""
+    if family == "flux":
+        return flux.FluxKernels.of(settings).any
+    return family == "pixart" and settings.fuse_residual
+
+
+def own_blocks(settings: KernelSettings, adapter) -> dict:
+    """The adapter's transformer as our blocks where the settings ask for them (`owns_blocks`), else
+    diffusers' with its tanh GELUs in the matmuls' epilogue (kernels.fuse_gelu) -> what the job reports."""
+    if is_own(adapter.transformer):
+        raise UserError(f"model {adapter.name} already runs our own blocks ({type(adapter.transformer).__name__}): "
+                        "kernels are applied once, to the model as built")
+    if adapter.family == "flux" and owns_blocks(settings, "flux"):
+        kernels = flux.FluxKernels.of(settings)
+        adapter.transformer = flux.FluxTransformer(adapter.transformer, kernels).eval()
+        on = [name for name, value in vars(kernels).items() if value]
+        if kernels.fp8 and not settings.compile:
+            log.warning("kernels: float8 layers without kernels.compile quantize their activations in separate, "
+                        "unfused kernels, which makes a step slower than bf16 (docs/BENCHMARKS.md)")
+        log.info("kernels: Flux's own blocks (%d double, %d single): %s", len(adapter.transformer.double_blocks),
+                 len(adapter.transformer.single_blocks), ", ".join(on))
+        return {"own_blocks": "flux", "own_block_settings": on}
+    if adapter.family == "pixart" and settings.fuse_residual:
+        compiled = None
+        if settings.compile and settings.compile_scope == "norms":
+            compiled = dict(dynamic=settings.compile_dynamic,
+                            options=compile_options(settings.compile_mode, settings.compile_tuning),
+                            constants_options=compile_options("default", settings.compile_tuning))
+        adapter.transformer = pixart.build(adapter.transformer, settings.fuse_gelu, compiled).eval()
+        cuda = adapter.device.type == "cuda"
+        norm = pixart.fixed_norm.SETTING if cuda else "compiled" if compiled else "eager"
+        log.info("kernels: PixArt's own blocks (%d), their residual adds inside the matmuls, layer norms by %s",
+                 len(adapter.transformer.blocks), f"the Triton kernel {norm}" if cuda else f"PyTorch's ops ({norm})")
+        return {"own_blocks": "pixart", "fused_residual_blocks": len(adapter.transformer.blocks), "residual_norm": norm}
+    if settings.fuse_gelu:
+        swapped = swap_tanh_gelus(adapter.transformer)
+        if not swapped:
+            raise UserError("kernels.fuse_gelu=true: this transformer has no tanh-GELU feed-forward with a biased "
+                            "projection to fuse; set kernels.fuse_gelu=false")
+        log.info("kernels: %d feed-forward GELUs in the up-projection's cuBLASLt epilogue", swapped)
+        return {"fused_gelu_layers": swapped}
+    return {}

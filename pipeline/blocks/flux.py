@@ -1,0 +1,385 @@
+"""FLUX.1's transformer with blocks of our own, built from a diffusers `FluxTransformer2DModel`'s weights.
+
+The blocks compute what diffusers' double-stream (MM-DiT) and single-stream blocks compute; which
+kernels they call is data (`FluxKernels`, from the job's kernel plan), fixed when they are built:
+
+- fuse_qkv: one q|k|v matmul per stream (the layers' weights joined);
+- fp8: the blocks' linear layers as rowwise-scaled float8 matmuls (the modulation stays in bf16);
+- fuse_gelu: the feed-forward's tanh GELU in the up-projection's cuBLASLt epilogue, or under fp8 in
+  the down-projection's float8 quantization (one Triton kernel, pipeline.kernels.fp8_gelu);
+- split_out_proj: a single block multiplies its attention and MLP outputs by their own parts of
+  proj_out and adds them, instead of joining them into one tensor first;
+- hoist_modulation: every norm's modulation (scales, shifts, gates) for every step of a batch
+  computed before its first step (`modulation_table`), each weight read once per batch; the forward
+  is then given the step's vector in place of the pooled prompt and each block takes its window of it;
+- fuse_qk_norm: the queries' and keys' RMS norms, the text and image tokens joined and the rotary
+  embedding in one Triton kernel (pipeline.kernels.attention_inputs);
+- fp8_attention: the attention's two matmuls in float8 (pipeline.kernels.fp8_attention), its output
+  written as float8 rows where only float8 layers read it;
+- fp8_norm: the modulated layer norms whose only readers are float8 layers write float8 rows (the
+  norm, its modulation and the quantization in one Triton kernel, pipeline.kernels.fp8_norm).
+
+The single-stream blocks run on the text and image tokens joined once (diffusers joins and splits
+them in every block): the same values, one copy of the stream per block less. With every setting
+off the blocks compute diffusers' ops in diffusers' order. The embedders, the rotary embedding and
+the time embedding are diffusers' own modules, shared with the source model; the blocks' weights
+are its tensors where a layer takes them as they are, and new tensors where joined, split or
+quantized.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, linear, linear_of
+from pipeline.errors import UserError
+from pipeline.kernels import attention_inputs, fp8_attention, fp8_gelu
+from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
+from pipeline.kernels.fp8 import QuantizedRows
+
+
+@dataclass(frozen=True)
+class FluxKernels:
+    """What Flux's own blocks compute with (the kernel plan's Flux settings)."""
+
+    fuse_qkv: bool = False
+    fp8: bool = False
+    fuse_gelu: bool = False
+    split_out_proj: bool = False
+    hoist_modulation: bool = False
+    fuse_qk_norm: bool = False
+    fp8_attention: bool = False
+    fp8_norm: bool = False
+
+    @classmethod
+    def of(cls, settings) -> "FluxKernels":
+        """These settings of a pipeline.plans.KernelSettings."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    @property
+    def any(self) -> bool:
+        """Whether any is on (with none, diffusers' own transformer runs)."""
+        return any(getattr(self, f.name) for f in fields(self))
+
+
+def fp8_rows(*layers: torch.nn.Module) -> bool:
+    """Whether every one of these layers is float8 (a kernel may then hand them quantized rows)."""
+    return all(isinstance(layer, Fp8Linear) for layer in layers)
+
+
+def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                   rows: bool) -> torch.Tensor | QuantizedRows:
+    """LN(x) * (1 + scale) + shift (x [B, S, C], shift and scale [B, C]) as diffusers' adaptive norms
+    compute it; with `rows`, as float8 rows for float8 layers (one kernel)."""
+    if rows:
+        x8, scale8 = torch.ops.bcg.modulated_norm_rows(x, None, shift, scale, eps)
+        return QuantizedRows(x8, scale8, x.dtype)
+    return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
+    """[4, D]: the weights of a diffusers Flux attention's queries', keys', text queries' and text keys'
+    RMS norms (a single block's text rows repeat the image's; a norm without a weight: ones)."""
+    ones = torch.ones(attn.head_dim, dtype=attn.to_q.weight.dtype, device=attn.to_q.weight.device)
+
+    def weight(norm, otherwise: torch.Tensor) -> torch.Tensor:
+        return otherwise if norm is None else ones if norm.weight is None else norm.weight.detach()
+
+    q, k = weight(attn.norm_q, ones), weight(attn.norm_k, ones)
+    return torch.stack([q, k, weight(getattr(attn, "norm_added_q", None), q),
+                        weight(getattr(attn, "norm_added_k", None), k)])
+
+
+class Attention(torch.nn.Module):
+    """A Flux attention: the image's (in a single block, every token's) queries, keys and values, in a
+    double block the text's too; their per-head RMS norms, the text and image tokens joined, the
+    rotary embedding, attention; in a double block the image's and the text's out-projections.
+    `rows_out`: the output goes to float8 layers only, so float8 attention writes it as their rows."""
+
+    def __init__(self, attn: torch.nn.Module, kernels: FluxKernels, device: torch.device, rows_out: bool = False):
+        super().__init__()
+        if not (isinstance(attn.norm_q, torch.nn.RMSNorm) and isinstance(attn.norm_k, torch.nn.RMSNorm)):
+            raise UserError("Flux's own blocks take attentions with RMS-normalized queries and keys; this checkpoint's "
+                            "are not: choose kernels.plan=eager")
+        self.heads, self.head_dim = attn.heads, attn.head_dim
+        self.eps = attn.norm_q.eps if attn.norm_q.eps is not None else torch.finfo(attn.to_q.weight.dtype).eps
+        self.double = attn.added_kv_proj_dim is not None
+        self.mode = "fp8" if kernels.fp8_attention else "kernel" if kernels.fuse_qk_norm else "torch"
+        if self.mode != "torch" and torch.device(device).type == "cuda":
+            check_head_dim(self.head_dim, self.mode)
+        self.qkv = self._projections([attn.to_q, attn.to_k, attn.to_v], kernels)
+        self.register_buffer("norm_weights", norm_weights(attn))
+        if self.double:
+            self.text_qkv = self._projections([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj], kernels)
+            self.out = linear([attn.to_out[0]], kernels.fp8)
+            self.text_out = linear([attn.to_add_out], kernels.fp8)
+            rows_out = fp8_rows(self.out, self.text_out)
+        self.rows_out = rows_out and self.mode == "fp8"
+        if self.mode == "fp8":
+            self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
+
+    @staticmethod
+    def _projections(layers: list[torch.nn.Linear], kernels: FluxKernels) -> torch.nn.ModuleList:
+        """One q|k|v layer (fuse_qkv) or three."""
+        if kernels.fuse_qkv:
+            return torch.nn.ModuleList([linear(layers, kernels.fp8)])
+        return torch.nn.ModuleList([linear([layer], kernels.fp8) for layer in layers])
+
+    @staticmethod
+    def _project(layers: torch.nn.ModuleList, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if len(layers) == 1:
+            return layers[0](x).chunk(3, dim=-1)
+        return tuple(layer(x) for layer in layers)
+
+    def forward(self, x, text, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S_i, C] (or its float8 rows), text [B, S_t, C] or None (a single block), the rotary
+        embedding's cos and sin [S_t + S_i, D] -> a double block's (image, text) outputs through their
+        out-projections; a single block's attention [B, S, C] (or its float8 rows with `rows_out`)."""
+        q, k, v = self._project(self.qkv, x)
+        tq = tk = tv = None
+        if self.double:
+            tq, tk, tv = self._project(self.text_qkv, text)
+        text_tokens = tq.shape[1] if self.double else 0
+        dtype = q.dtype
+        if self.mode == "fp8":
+            q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(q, k, v, tq, tk, tv, self.norm_weights, cos, sin,
+                                                                     self.qk_scales, self.heads, self.eps)
+            count_call(FP8_ATTENTION_OP)
+            softmax_scale = 1.0 / math.sqrt(self.head_dim)
+            if self.rows_out:
+                text8, text_scale, image8, image_scale = torch.ops.bcg.fp8_attention_rows(
+                    q8, k8, v8t, self.qk_scales, v_scale, softmax_scale, text_tokens)
+                image = QuantizedRows(image8, image_scale, dtype)
+                if not self.double:
+                    return image
+                return self.out(image), self.text_out(QuantizedRows(text8, text_scale, dtype))
+            out = torch.ops.bcg.fp8_attention(q8, k8, v8t, self.qk_scales, v_scale, softmax_scale)
+        else:
+            if self.mode == "kernel":
+                q, k = torch.ops.bcg.rotated_qk(q, k, tq, tk, self.norm_weights, cos, sin, self.heads, self.eps)
+                v = (v if tv is None else torch.cat([tv, v], dim=1)).unflatten(-1, (self.heads, self.head_dim))
+            else:
+                q, k, v = attention_inputs.rotated_reference(q, k, v, tq, tk, tv, self.norm_weights, cos, sin,
+                                                             self.heads, self.eps)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        out = out.flatten(2, 3).to(dtype)
+        if not self.double:
+            return out
+        text, image = out.split_with_sizes([text_tokens, out.shape[1] - text_tokens], dim=1)
+        return self.out(image.contiguous()), self.text_out(text.contiguous())
+
+
+def check_head_dim(dim: int, mode: str) -> None:
+    """The Triton kernels' head widths: a power of two, and for float8 attention one of HEAD_DIMS."""
+    setting = "fp8_attention" if mode == "fp8" else "fuse_qk_norm"
+    if dim & (dim - 1):
+        raise UserError(f"kernels.{setting}=true: the kernels take heads whose width is a power of two, this "
+                        f"model's are {dim} wide; set kernels.{setting}=false")
+    if mode == "fp8" and dim not in fp8_attention.HEAD_DIMS:
+        raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(fp8_attention.HEAD_DIMS)} "
+                        f"dimensions, this model's have {dim}; set kernels.fp8_attention=false")
+
+
+class FeedForward(torch.nn.Module):
+    """diffusers' tanh-GELU FeedForward: down(GELU(up(x))), the GELU where the plan puts it."""
+
+    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, kernels: FluxKernels):
+        super().__init__()
+        self.down = linear([down], kernels.fp8)
+        self.gelu_rows = kernels.fuse_gelu and isinstance(self.down, Fp8Linear) and down.in_features <= fp8_gelu.MAX_COLS
+        self.up = linear([up], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
+
+    def forward(self, x) -> torch.Tensor:
+        return activated(self.up, self.down, self.up(x), self.gelu_rows)
+
+
+def activated(up: torch.nn.Module, down: torch.nn.Module, h: torch.Tensor, gelu_rows: bool) -> torch.Tensor:
+    """down(tanh GELU(h)), h the up-projection's output: the GELU in the down-projection's float8
+    quantization (`gelu_rows`), already applied by the up-projection's epilogue, or here."""
+    if gelu_rows:
+        x8, scale = torch.ops.bcg.gelu_quantize_rows(h.reshape(-1, h.shape[-1]))
+        return down.rows(x8, scale, h.shape, h.dtype)
+    return down(h if isinstance(up, GeluLinear) else F.gelu(h, approximate="tanh"))
+
+
+class DoubleBlock(torch.nn.Module):
+    """diffusers' FluxTransformerBlock: image and text streams, each modulated by its own norm, one
+    joint attention, each stream's feed-forward."""
+
+    def __init__(self, block: torch.nn.Module, kernels: FluxKernels, device: torch.device):
+        super().__init__()
+        self.attn = Attention(block.attn, kernels, device)
+        self.ff = FeedForward(block.ff.net[0].proj, block.ff.net[2], kernels)
+        self.ff_context = FeedForward(block.ff_context.net[0].proj, block.ff_context.net[2], kernels)
+        self.eps = (block.norm1.norm.eps, block.norm1_context.norm.eps, block.norm2.eps, block.norm2_context.eps)
+        self.rows_in = kernels.fp8_norm and fp8_rows(*self.attn.qkv)  # the first norms' readers
+        self.text_rows_in = kernels.fp8_norm and fp8_rows(*self.attn.text_qkv)
+        self.rows_ff = kernels.fp8_norm and fp8_rows(self.ff.up, self.ff_context.up)  # the second norms'
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, img_mod: torch.Tensor, txt_mod: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """img [B, S_i, C], txt [B, S_t, C], each stream's modulation [B, 6C] -> (img, txt)."""
+        shift, scale, gate, shift_ff, scale_ff, gate_ff = img_mod.chunk(6, dim=1)
+        c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = txt_mod.chunk(6, dim=1)
+        x = modulated_norm(img, shift, scale, self.eps[0], self.rows_in)
+        c = modulated_norm(txt, c_shift, c_scale, self.eps[1], self.text_rows_in)
+        attn_img, attn_txt = self.attn(x, c, cos, sin)
+        img = self.residual_ff(img, attn_img, gate, shift_ff, scale_ff, gate_ff, self.ff, self.eps[2])
+        txt = self.residual_ff(txt, attn_txt, c_gate, c_shift_ff, c_scale_ff, c_gate_ff, self.ff_context, self.eps[3])
+        if txt.dtype == torch.float16:
+            txt = txt.clip(-65504, 65504)
+        return img, txt
+
+    def residual_ff(self, rows: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
+                    scale: torch.Tensor, gate_ff: torch.Tensor, ff: FeedForward, eps: float) -> torch.Tensor:
+        """rows + gate * update, then + gate_ff * ff(its modulated norm); with fp8_norm the add, the norm
+        and the float8 rows the feed-forward reads in one kernel."""
+        if self.rows_ff:
+            added, x8, scale8 = torch.ops.bcg.residual_norm_rows(rows, update, gate, shift, scale, eps)
+            return added + gate_ff.unsqueeze(1) * ff(QuantizedRows(x8, scale8, rows.dtype))
+        added = rows + gate.unsqueeze(1) * update
+        return added + gate_ff.unsqueeze(1) * ff(modulated_norm(added, shift, scale, eps, False))
+
+
+class SingleBlock(torch.nn.Module):
+    """diffusers' FluxSingleTransformerBlock on the joined text and image tokens: one modulated norm,
+    attention and an MLP side by side, one out-projection of both (or one of each: split_out_proj)."""
+
+    def __init__(self, block: torch.nn.Module, kernels: FluxKernels, device: torch.device):
+        super().__init__()
+        dim = block.attn.inner_dim
+        self.split = kernels.split_out_proj
+        self.mlp_up = linear([block.proj_mlp], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
+        weight, bias = block.proj_out.weight.detach(), block.proj_out.bias
+        if self.split:  # the attention's columns with the bias, the MLP's without
+            self.out_attn = linear_of(weight[:, :dim].contiguous(), bias, kernels.fp8)
+            self.out_mlp = linear_of(weight[:, dim:].contiguous(), None, kernels.fp8)
+            self.gelu_rows = (kernels.fuse_gelu and isinstance(self.out_mlp, Fp8Linear)
+                              and self.out_mlp.in_features <= fp8_gelu.MAX_COLS)
+            rows_out = fp8_rows(self.out_attn)
+        else:
+            self.out = linear([block.proj_out], kernels.fp8)
+            self.gelu_rows, rows_out = False, False
+        self.attn = Attention(block.attn, kernels, device, rows_out=rows_out)
+        self.eps = block.norm.norm.eps
+        self.rows_in = kernels.fp8_norm and fp8_rows(*self.attn.qkv, self.mlp_up)
+
+    def forward(self, joined: torch.Tensor, mod: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """joined [B, S_t + S_i, C] (text first), the modulation [B, 3C] -> the next joined stream."""
+        shift, scale, gate = mod.chunk(3, dim=1)
+        x = modulated_norm(joined, shift, scale, self.eps, self.rows_in)
+        h = self.mlp_up(x)
+        attn = self.attn(x, None, cos, sin)
+        if self.split:
+            update = self.out_attn(attn) + activated(self.mlp_up, self.out_mlp, h, self.gelu_rows)
+        else:
+            mlp = h if isinstance(self.mlp_up, GeluLinear) else F.gelu(h, approximate="tanh")
+            update = self.out(torch.cat([attn, mlp], dim=2))
+        out = joined + gate.unsqueeze(1) * update
+        if out.dtype == torch.float16:
+            out = out.clip(-65504, 65504)
+        return out
+
+
+def check_source(source: torch.nn.Module) -> None:
+    """A FluxTransformer2DModel whose norms are the ones these blocks compute (no affine LayerNorms)."""
+    norms = [source.norm_out.norm] + [n for b in source.transformer_blocks for n in (b.norm1.norm, b.norm1_context.norm,
+                                                                                    b.norm2, b.norm2_context)]
+    norms += [b.norm.norm for b in source.single_transformer_blocks]
+    if any(getattr(n, "weight", None) is not None or not isinstance(n, torch.nn.LayerNorm) for n in norms):
+        raise UserError("Flux's own blocks take the FLUX.1 architecture's layer norms (no affine weights); this "
+                        "checkpoint's differ: choose kernels.plan=eager")
+
+
+class FluxTransformer(torch.nn.Module):
+    """FluxTransformer2DModel's forward (without ControlNet or IP-Adapter inputs) over our blocks.
+    `config`, `dtype` and `device` are the source model's."""
+
+    def __init__(self, source: torch.nn.Module, kernels: FluxKernels):
+        super().__init__()
+        check_source(source)
+        device = source.device
+        self.config = source.config
+        self.kernels = kernels
+        self.x_embedder, self.context_embedder = source.x_embedder, source.context_embedder
+        self.time_text_embed, self.pos_embed, self.proj_out = source.time_text_embed, source.pos_embed, source.proj_out
+        self.double_blocks = torch.nn.ModuleList(DoubleBlock(b, kernels, device) for b in source.transformer_blocks)
+        self.single_blocks = torch.nn.ModuleList(SingleBlock(b, kernels, device) for b in source.single_transformer_blocks)
+        norms = [n for b in source.transformer_blocks for n in (b.norm1, b.norm1_context)]
+        norms += [b.norm for b in source.single_transformer_blocks] + [source.norm_out]
+        # every norm's modulation projection (diffusers' weights), in the order the forward takes them
+        self.modulations = torch.nn.ModuleList(Linear(n.linear.weight, n.linear.bias) for n in norms)
+        widths = [m.weight.shape[0] for m in self.modulations]
+        self.offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        self.out_eps = source.norm_out.norm.eps
+        self._dtype = source.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+    @property
+    def hoisted(self) -> bool:
+        return self.kernels.hoist_modulation
+
+    @property
+    def modulation_width(self) -> int:
+        """Values per row of the hoisted modulation vector: every norm's scales, shifts and gates."""
+        return self.offsets[-1]
+
+    def repeated_blocks(self) -> list[torch.nn.Module]:
+        """The blocks a regional compile compiles (one code per kind, shared by every block of it)."""
+        return [*self.double_blocks, *self.single_blocks]
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor,
+                txt_ids: torch.Tensor, guidance: torch.Tensor | None = None, return_dict: bool = False):
+        """diffusers' arguments (txt_ids, img_ids 2-D) -> (output,). Hoisted: `pooled_projections` is the
+        step's modulation vector [B, modulation_width], and the timestep and guidance are in it."""
+        assert not return_dict, "our blocks return a tuple"
+        img = self.x_embedder(hidden_states)
+        if self.hoisted:
+            mods = [pooled_projections[:, a:b] for a, b in zip(self.offsets, self.offsets[1:])]
+        else:
+            temb = self.time_embedding(timestep.to(img.dtype) * 1000,
+                                       None if guidance is None else guidance.to(img.dtype) * 1000, pooled_projections)
+            mods = [m(F.silu(temb).to(img.dtype)) for m in self.modulations]
+        txt = self.context_embedder(encoder_hidden_states)
+        cos, sin = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        steps = iter(mods)
+        for block in self.double_blocks:
+            img, txt = block(img, txt, next(steps), next(steps), cos, sin)
+        joined = torch.cat([txt, img], dim=1)
+        for block in self.single_blocks:
+            joined = block(joined, next(steps), cos, sin)
+        img = joined[:, txt.shape[1]:]
+        scale, shift = next(steps).chunk(2, dim=1)
+        img = F.layer_norm(img, img.shape[-1:], eps=self.out_eps) * (1 + scale)[:, None, :] + shift[:, None, :]
+        return (self.proj_out(img),)
+
+    def time_embedding(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
+                       pooled: torch.Tensor) -> torch.Tensor:
+        """diffusers' time (and guidance) and pooled-prompt embedding; timestep and guidance x 1000."""
+        return self.time_text_embed(timestep, pooled) if guidance is None else self.time_text_embed(timestep, guidance,
+                                                                                                     pooled)
+
+    @torch.no_grad()
+    def modulation_table(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
+                         pooled: torch.Tensor) -> torch.Tensor:
+        """Every norm's modulation of R rows: timestep [R], guidance [R] or None (x 1000, as the forward
+        gives them to the time embedding), pooled [R, P] -> [R, modulation_width], each norm's columns
+        at its offset (what `hoist_modulation`'s forward reads)."""
+        embedding = self.time_embedding(timestep, guidance, pooled)
+        table = embedding.new_empty((embedding.shape[0], self.modulation_width))
+        act = F.silu(embedding).to(embedding.dtype)
+        for m, a, b in zip(self.modulations, self.offsets, self.offsets[1:]):  # written in place, no second copy
+            table[:, a:b] = m(act)
+        return table

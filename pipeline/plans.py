@@ -1,0 +1,204 @@
+"""Kernel plans: which kernels the denoiser runs, as data.
+
+A plan is a name and the kernel settings it changes from `KernelSettings`' defaults (`PLANS`). The
+job's `kernels.plan` is `auto` by default, which picks the fastest measured plan of the model's
+family for the device and the precision (`DEFAULT_PLANS`: eager kernels on a CPU, a family's fast
+plan on CUDA, its float8 plan under `precision=fp8`); a plan's name picks that plan; and any
+`kernels.<setting>` the user gives overrides the plan's value (experts only: a combination the
+kernels cannot run is refused by `pipeline.kernels.check_kernels`).
+
+Every plan here gives the same bytes in every process: its kernels' block sizes are constants or
+chosen from shapes the job fixes (`pipeline.kernels.compile`), never timed. No torch here: the
+command line resolves and checks the plan before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping, Optional
+
+from pipeline.errors import UserError
+
+FAMILIES = ("pixart", "sd3", "dit", "flux")
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Every kernel setting, resolved. The schema's `kernels.*` keys are these names (pipeline.config)."""
+
+    # auto: PyTorch SDPA's own choice; cudnn | flash | efficient | math: that SDPA backend first (the
+    # others serve only calls it cannot); flash_attn: the flash-attn package (extra `flash`).
+    attention: str = "auto"
+    # torch.compile the transformer (inductor, no inductor CUDA graphs) under our capture.
+    compile: bool = False
+    # default | coordinate-descent (inductor times each generated kernel's block sizes) |
+    # max-autotune-no-cudagraphs (that and Triton matmul templates timed against cuBLAS).
+    compile_mode: str = "default"
+    # fixed: inductor's deterministic mode, block sizes from its heuristics (the same kernels in every
+    # process) | timed: candidates timed at the first run (faster, but another process may choose others).
+    compile_tuning: str = "fixed"
+    # One compilation with symbolic batch and token counts for every shape (true), or one per shape.
+    compile_dynamic: bool = True
+    # model: the whole transformer | blocks: its repeated blocks, once for all | norms: what
+    # fuse_residual's block leaves to fuse (its per-step constants; off CUDA its layer norms).
+    compile_scope: str = "model"
+    # One q|k|v matmul per attention (PixArt, SD3: diffusers' fused projections; Flux: its own blocks').
+    fuse_qkv: bool = False
+    # With compile: reductions over rows of up to 16,384 values read each row once.
+    persistent_reductions: bool = False
+    # The blocks' linear layers as rowwise-scaled float8 matmuls (CUDA sm89+; Flux's blocks).
+    fp8: bool = False
+    # The feed-forward's tanh GELU in the up-projection's cuBLASLt epilogue (CUDA); with fp8, in the
+    # down-projection's float8 quantization (one Triton kernel).
+    fuse_gelu: bool = False
+    # Flux: the attention's two matmuls in float8, one Triton kernel (CUDA sm89+). Images differ.
+    fp8_attention: bool = False
+    # Flux with fp8: the modulated layer norms that feed float8 layers write their float8 rows (one
+    # Triton kernel: the norm, its modulation, the rowwise quantization).
+    fp8_norm: bool = False
+    # Flux: the queries' and keys' RMS norms, the text and image tokens joined and the rotary
+    # embedding in one Triton kernel (CUDA; the CPU runs the torch ops).
+    fuse_qk_norm: bool = False
+    # PixArt: each block's residual adds done by the matmuls (gates folded into the weights, biases carried).
+    fuse_residual: bool = False
+    # Flux: each single-stream block multiplies its attention and MLP outputs by their own parts of
+    # proj_out instead of joining them first.
+    split_out_proj: bool = False
+    # Flux: every norm's modulation projection computed once per batch for every step (bcg.scope
+    # forward or step).
+    hoist_modulation: bool = False
+    # PixArt: prompts padded to the manifest's longest (rounded up to 64 tokens), not max_sequence_length;
+    # an image then depends on the manifest's longest prompt.
+    trim_text_padding: bool = False
+    # torch.compile the VAE decoder too, latents decoded `decode_chunk` at a time (the last chunk padded).
+    compile_decoder: bool = False
+    decode_chunk: int = 4
+    # Where inductor keeps what it compiled (null: <output.dir>/.cache/inductor). Not a plan's to set.
+    compile_cache_dir: Optional[str] = None
+
+
+SETTINGS = tuple(f.name for f in fields(KernelSettings))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A named set of kernel settings: what it does, which families it serves, where it runs."""
+
+    summary: str
+    families: tuple[str, ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)  # what differs from KernelSettings()
+    cuda_only: str | None = None  # why it needs CUDA; None: it runs anywhere
+    float8: bool = False  # the plan `precision=fp8` asks for
+
+    def resolved(self, **overrides: Any) -> KernelSettings:
+        return replace(KernelSettings(), **{**self.settings, **overrides})
+
+
+_COMPILED = {"attention": "cudnn", "compile": True, "compile_scope": "blocks"}
+_FLUX = {"compile": True, "compile_scope": "blocks", "fuse_gelu": True, "split_out_proj": True,
+         "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, "compile_decoder": True,
+         "decode_chunk": 1}
+_FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
+_EPILOGUE = "the GELU runs in cuBLASLt's epilogue, which only CUDA has"
+
+PLANS: dict[str, Plan] = {
+    "eager": Plan("diffusers' modules on PyTorch's own kernels, nothing compiled", FAMILIES),
+    "compiled": Plan("cuDNN attention and the transformer's repeated blocks compiled once for every shape", FAMILIES,
+                     _COMPILED),
+    "fast": Plan("PixArt's own blocks with the residual adds in the matmuls, the GELU in the up-projection's "
+                 "epilogue, a fixed Triton layer norm and cuDNN attention; nothing compiled but the decoder",
+                 ("pixart",), {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "compile_decoder": True},
+                 cuda_only=_EPILOGUE),
+    "flux": Plan("Flux's own blocks compiled once for every shape: the GELU in the up-projection's epilogue, the "
+                 "single blocks' out-projection split, the modulation once per batch, the queries' and keys' norms "
+                 "and rotation in one kernel; the decoder compiled", ("flux",), _FLUX, cuda_only=_EPILOGUE),
+    "flux-fp8": Plan("the flux plan with float8 linear layers, float8 attention and norms writing float8 rows, "
+                     "fused q|k|v projections", ("flux",), _FLUX_FP8, cuda_only="float8 tensor cores (sm89+)",
+                     float8=True),
+}
+
+# (family, float8) -> the plan `kernels.plan=auto` picks on CUDA (on a CPU: eager, and no float8)
+DEFAULT_PLANS: dict[tuple[str, bool], str] = {
+    ("pixart", False): "fast",
+    ("sd3", False): "compiled",
+    ("dit", False): "eager",
+    ("flux", False): "flux",
+    ("flux", True): "flux-fp8",
+}
+FP8_REFUSALS = {  # family -> why `precision=fp8` has no plan for it
+    "pixart": "its float8 blocks are measured slower than its bf16 plan (`fast`)",
+    "sd3": "it has no float8 blocks yet",
+    "dit": "it has no float8 blocks yet",
+}
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """The plan a job runs: its name, every setting, the user's overrides of it and how it was chosen."""
+
+    name: str
+    settings: KernelSettings
+    overrides: dict[str, Any]  # kernels.<key> the user set to a value other than the plan's
+    chosen: str  # e.g. "auto: flux on cuda in bf16"
+
+    def describe(self) -> str:
+        """One line for the log: the plan, how it was chosen, the settings it changes, the overrides."""
+        changed = {k: v for k, v in asdict(self.settings).items() if v != getattr(KernelSettings(), k)}
+        text = f"kernels.plan={self.name} ({self.chosen}): " + (", ".join(f"{k}={v}" for k, v in changed.items())
+                                                                 or "PyTorch's own kernels")
+        if self.overrides:
+            text += "; overridden by the command: " + ", ".join(f"kernels.{k}={v}" for k, v in self.overrides.items())
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.name, "chosen": self.chosen, "overrides": dict(self.overrides)}
+
+
+def default_plan(family: str, device_type: str, float8: bool) -> str:
+    """The plan `auto` picks, or a refusal (UserError) naming why float8 has none here."""
+    if float8 and device_type != "cuda":
+        raise UserError("precision=fp8 needs a CUDA GPU with float8 tensor cores (sm89+: Ada, Hopper, Blackwell); "
+                         f"this job runs on {device_type}: choose precision=auto, bf16 or fp32")
+    if float8 and (family, True) not in DEFAULT_PLANS:
+        why = FP8_REFUSALS.get(family, "it has no float8 plan")
+        with_fp8 = sorted(f for f, fp8 in DEFAULT_PLANS if fp8)
+        raise UserError(f"precision=fp8 is not offered for model family {family!r}: {why}; float8 plans exist for "
+                         f"{with_fp8}; choose precision=bf16")
+    if device_type != "cuda":
+        return "eager"
+    return DEFAULT_PLANS.get((family, float8), "eager")
+
+
+def resolve_plan(plan: str, overrides: Mapping[str, Any], family: str, device_type: str, float8: bool) -> ResolvedPlan:
+    """`kernels.plan` and the kernels.<key> values the user gave (None: not given) -> the plan this
+    job runs, or a UserError that names the key and what is accepted."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise UserError(f"kernels.{unknown[0]} is not a kernel setting; the settings are {list(SETTINGS)}")
+    if plan == AUTO:
+        name = default_plan(family, device_type, float8)
+        chosen = f"auto: {family} on {device_type}" + (" in float8" if float8 else "")
+    elif plan in PLANS:
+        name, chosen = plan, "kernels.plan"
+    else:
+        raise UserError(f"kernels.plan={plan!r} is not a plan; choose auto or one of {list(PLANS)}")
+    spec = PLANS[name]
+    if family not in spec.families:
+        fits = [n for n, p in PLANS.items() if family in p.families]
+        raise UserError(f"kernels.plan={name} serves model families {list(spec.families)}, not {family!r}; choose "
+                         f"auto or one of {fits}")
+    if spec.cuda_only and device_type != "cuda":
+        raise UserError(f"kernels.plan={name} runs on CUDA only ({spec.cuda_only}); this job runs on {device_type}: "
+                         "choose kernels.plan=auto (eager kernels there) or eager")
+    if float8 and not spec.float8:
+        fp8_plans = [n for n, p in PLANS.items() if p.float8 and family in p.families]
+        raise UserError(f"precision=fp8 asks for a float8 plan, and kernels.plan={name} is not one; choose "
+                         f"kernels.plan=auto{''.join(' or ' + n for n in fp8_plans)}, or precision=bf16")
+    if spec.float8 and not float8:
+        raise UserError(f"kernels.plan={name} is a float8 plan: choose it with precision=fp8 (its images differ from "
+                         "bf16's), or choose kernels.plan=auto")
+    settings = spec.resolved(**given)
+    differs = {k: v for k, v in given.items() if spec.resolved().__getattribute__(k) != v}
+    return ResolvedPlan(name, settings, differs, chosen)

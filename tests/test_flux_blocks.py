@@ -1,0 +1,214 @@
+"""Flux's own blocks (pipeline.blocks.flux) against diffusers' FluxTransformer2DModel on the CPU, fp32:
+with every exact setting the same step as diffusers' blocks; in float8 close to it, each kernel's
+rows handed to the float8 layers as they are; compiled, one graph per block kind, traced once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import model_config, wide_heads_flux
+from bcg.buffers import StaticInputs
+from pipeline.blocks import own_blocks
+from pipeline.blocks.flux import FluxKernels, FluxTransformer, check_head_dim, norm_weights
+from pipeline.blocks.layers import Fp8Linear, Linear
+from pipeline.errors import UserError
+from pipeline.kernels import check_kernels, compile_stats, fp8_attention, fp8_norm, output_kernels
+from pipeline.kernels.attention import FP8_ATTENTION_OP, probe_attention
+from pipeline.kernels.compile import compile_transformer
+from pipeline.kernels.fp8 import FP8
+from pipeline.models import build_model
+from pipeline.plans import KernelSettings
+
+# Rowwise float8 e4m3 for both operands of every block matmul; the tiny Flux's step within this of fp32.
+FP8_STEP_REL_ERR = 0.05
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def random_inputs(adapter, side=64, n=2):
+    """n rows of every input of the adapter's step, standard normal (timestep 500)."""
+    x = StaticInputs.allocate(adapter.input_specs(side, side), n, torch.device("cpu")).view(n)
+    gen = torch.Generator().manual_seed(0)
+    for value in x.values():
+        value.copy_(torch.randn(value.shape, generator=gen))
+    x["t"].fill_(500.0)
+    return x
+
+
+def owned(adapter, **settings):
+    """A copy of the adapter on our own blocks with these Flux settings (the source keeps diffusers')."""
+    ours = copy.copy(adapter)
+    ours.transformer = FluxTransformer(adapter.transformer, FluxKernels(**settings))
+    return ours
+
+
+def test_own_blocks_compute_diffusers_step_with_every_exact_setting():
+    """None on (the blocks as built), fused q|k|v, the split out-projection, the queries' and keys'
+    op (the CPU runs the torch ops), each alone and together: diffusers' step to fp32 rounding. The
+    blocks take the source's weights as they are where a layer keeps them (no copy), join them for
+    q|k|v, split proj_out without a second bias; the source model is left as it was."""
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+    x = random_inputs(flux)
+    source = flux.transformer
+    before = {name: p.clone() for name, p in source.named_parameters()}
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+        for settings in ({}, {"fuse_qkv": True}, {"split_out_proj": True}, {"fuse_qk_norm": True},
+                         {"fuse_qkv": True, "split_out_proj": True, "fuse_qk_norm": True}):
+            ours = owned(flux, **settings)
+            out = ours.guided_eps(x)
+            assert rel_err(out, reference) < 1e-6, settings
+            calls = probe_attention(lambda: ours.guided_eps(x))
+            assert sum(calls.values()) == len(source.transformer_blocks) + len(source.single_transformer_blocks)
+    plain, fused = owned(flux).transformer, owned(flux, fuse_qkv=True, split_out_proj=True).transformer
+    attn = plain.double_blocks[0].attn
+    assert attn.qkv[0].weight.data_ptr() == source.transformer_blocks[0].attn.to_q.weight.data_ptr()
+    assert len(fused.double_blocks[0].attn.qkv) == len(fused.double_blocks[0].attn.text_qkv) == 1
+    assert fused.double_blocks[0].attn.qkv[0].weight.shape[0] == 3 * attn.heads * attn.head_dim
+    single = fused.single_blocks[0]
+    assert single.out_mlp.bias is None and single.out_attn.in_features == single.attn.heads * single.attn.head_dim
+    assert all(torch.equal(p, before[name]) for name, p in source.named_parameters())
+    assert type(flux.transformer).__name__ == "FluxTransformer2DModel"
+
+
+@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
+def test_hoisted_modulation_gives_every_step_what_the_step_computed(true_cfg):
+    """kernels.hoist_modulation: each step's modulation, computed for all steps at once before the first
+    (true CFG: for the negative and the positive prompt), gives each step the model output it computes
+    with its own projections (fp32); the conditioning input `pooled` carries the vector (its spec says
+    its width), and a row's vectors do not depend on its batch-mates."""
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    flux = flux.with_true_cfg(true_cfg) if true_cfg > 1 else flux
+    specs, n = flux.input_specs(64, 64), 3
+    gen = torch.Generator().manual_seed(0)
+    cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
+    x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0, 7.0])
+    timesteps = torch.tensor([1000.0, 750.0, 333.3, 20.0])
+    assert flux.per_step_conditioning(cond, guidance, timesteps, n) is None  # off: the same conditioning every step
+    with torch.no_grad():
+        reference = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **cond}) for t in timesteps]
+    report = own_blocks(KernelSettings(hoist_modulation=True), flux)
+    assert report["own_block_settings"] == ["hoist_modulation"]
+    t = flux.transformer
+    width = t.modulation_width
+    assert len(t.modulations) == 2 * len(t.double_blocks) + len(t.single_blocks) + 1
+    assert flux.input_specs(64, 64)["pooled"].shape == (specs["pooled"].shape[0], width)
+    per_step = flux.per_step_conditioning(cond, guidance, timesteps, 4)  # the 3 rows in a bucket of 4
+    with torch.no_grad():
+        for k, (t_k, ref) in enumerate(zip(timesteps, reference)):
+            step_cond = per_step(k)
+            assert step_cond["pooled"].shape == (n, specs["pooled"].shape[0], width)
+            out = flux.guided_eps({"x": x, "t": t_k.expand(n), "g": guidance, **step_cond})
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    alone = flux.per_step_conditioning({name: c[1:2] for name, c in cond.items()}, guidance[1:2], timesteps, 4)
+    assert all(torch.equal(alone(k)["pooled"][0], per_step(k)["pooled"][1]) for k in range(len(timesteps)))
+
+
+def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
+    """Float8 blocks on the tiny Flux (the CPU runs torch's emulated float8 matmul and each kernel's
+    torch reference): every block linear layer is float8 (the modulation stays in the model's dtype);
+    the GELU moves into the down-projections' quantization, the norms and the attention write float8
+    rows their layers multiply as they are, and each gives the step the layers' own quantization gives
+    (the norms' and the GELU's: the same bytes; the attention's rows: its own scale); every attention
+    goes through the float8 op; the step stays close to fp32."""
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+    x = random_inputs(flux)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+    base = {"fp8": True, "fuse_qkv": True, "split_out_proj": True}
+    steps = {}
+    for name, extra in (("layers", {}), ("gelu", {"fuse_gelu": True}), ("norm", {"fp8_norm": True}),
+                        ("attention", {"fp8_attention": True}),
+                        ("all", {"fuse_gelu": True, "fp8_norm": True, "fp8_attention": True})):
+        ours = owned(flux, **base, **extra)
+        with torch.no_grad():
+            steps[name] = ours.guided_eps(x)
+            if name == "all":
+                calls = probe_attention(lambda: ours.guided_eps(x))
+        assert rel_err(steps[name], reference) < FP8_STEP_REL_ERR, name
+    t = ours.transformer
+    layers = [m for m in t.modules() if isinstance(m, Fp8Linear)]
+    # a double block: q|k|v and the text's, 2 out-projections, 2 feed-forwards (up, down); a single block: q|k|v,
+    # the MLP's up-projection and the two parts of proj_out
+    assert len(layers) == len(t.double_blocks) * 8 + len(t.single_blocks) * 4
+    assert layers[0].weight8.dtype == FP8 and all(isinstance(m, Linear) for m in t.modulations)
+    assert t.modulations[0].weight.dtype == t.proj_out.weight.dtype == torch.float32
+    assert t.double_blocks[0].ff.gelu_rows and t.single_blocks[0].gelu_rows
+    assert t.double_blocks[0].rows_in and t.double_blocks[0].rows_ff and t.single_blocks[0].rows_in
+    assert t.double_blocks[0].attn.rows_out and t.single_blocks[0].attn.rows_out
+    assert torch.equal(steps["gelu"], steps["layers"]) and torch.equal(steps["norm"], steps["layers"])
+    assert 0 < rel_err(steps["attention"], steps["layers"]) < FP8_STEP_REL_ERR
+    assert calls == {FP8_ATTENTION_OP: len(t.double_blocks) + len(t.single_blocks)}
+    joined = owned(flux, fp8=True, fp8_attention=True).transformer.single_blocks[0]
+    assert not joined.split and not joined.attn.rows_out and not joined.gelu_rows  # its output is joined to the MLP's
+
+
+def test_float8_settings_are_flux_s_named_in_the_digest_and_refused_without_float8_cores():
+    assert output_kernels(KernelSettings(fp8=True, fp8_norm=True))["fp8_norm"] == fp8_norm.SETTING
+    assert output_kernels(KernelSettings(fp8_attention=True))["fp8_attention"] == fp8_attention.SETTING
+    with pytest.raises(UserError, match=r"kernels.fp8_norm=true needs kernels.fp8=true: .*set kernels.fp8=true, or "
+                                        r"kernels.fp8_norm=false"):
+        check_kernels(KernelSettings(fp8_norm=True))
+    for key in ("fp8", "fp8_attention", "fp8_norm", "split_out_proj", "hoist_modulation", "fuse_qk_norm"):
+        settings = KernelSettings(**{key: True, **({"fp8": True} if key == "fp8_norm" else {})})
+        with pytest.raises(UserError, match=rf"kernels.{key}=true: .*model families \['flux'\].*'pixart'"):
+            check_kernels(settings, "pixart")
+    with pytest.raises(UserError, match="kernels.fp8_attention=true needs a CUDA GPU with float8 tensor cores"):
+        check_kernels(KernelSettings(fp8_attention=True), "flux", torch.device("cpu"))
+
+
+def test_fp8_attention_scales_bound_every_normalized_query_and_heads_the_kernels_take():
+    """The queries' and keys' scales hold the largest value an RMS norm and the rotary embedding can
+    give (all of a row's weight on one dimension) within float8's range, and use most of it; on CUDA the
+    kernels take heads of their widths only (tiny_flux: 16), refused with the setting to change."""
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    attn = flux.transformer.transformer_blocks[0].attn
+    with torch.no_grad():
+        attn.norm_q.weight.uniform_(-3, 3)
+        attn.norm_added_q.weight.uniform_(-5, 5)
+    scales = fp8_attention.qk_scales(norm_weights(attn))
+    worst = torch.zeros(1, 1, 1, attn.head_dim)
+    worst[..., int(attn.norm_added_q.weight.abs().argmax())] = 7.0
+    peak = attn.norm_added_q(worst).abs().max()
+    assert 0.9 * fp8_attention.FP8_MAX < peak / scales[0] <= fp8_attention.FP8_MAX
+    with pytest.raises(UserError, match=r"takes heads of \[32, 64, 128, 256\] dimensions, this model's have 16"):
+        check_head_dim(attn.head_dim, "fp8")
+    with pytest.raises(UserError, match=r"kernels.fuse_qk_norm=true: .*power of two, this model's are 24 wide"):
+        check_head_dim(24, "kernel")
+
+
+@pytest.mark.slow
+def test_own_blocks_compile_one_graph_per_block_kind_traced_once_and_compute_the_eager_step():
+    """Regional compile of our blocks (the fastest bf16 plan's settings that run on the CPU, hoisted
+    modulation included): one graph for the double blocks and one for the single ones, each traced once,
+    whose step is the eager one's; a second shape and batch of more than one row add only the batch's
+    graphs (dynamo compiles a batch of 1 apart)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from pipeline.process_state import job_scope
+
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    settings = {"split_out_proj": True, "hoist_modulation": True, "fuse_qk_norm": True, "fuse_qkv": True}
+    eager, ours = owned(flux, **settings), owned(flux, **settings)
+    with job_scope():
+        torch._dynamo.reset()
+        before = compile_stats()
+        compile_transformer(ours.transformer, "default", "fixed", shapes=2, dynamic=True, scope="blocks")
+        outs = []
+        for side, n in ((32, 1), (64, 1), (64, 3)):
+            x = random_inputs(ours, side, n)
+            x["pooled"].normal_()
+            with torch.no_grad():
+                outs.append((ours.guided_eps(x), eager.guided_eps(x)))
+        attempts = {name: len(times) for name, times in compilation_time_metrics.items()
+                    if name.startswith("compile_attempt_")}
+        graphs = compile_stats(since=before)["compiled_graphs"]
+    assert graphs == 4, graphs  # (double, single) x (a batch of 1, more)
+    assert attempts == {"compile_attempt_0": 4}, attempts
+    for compiled, reference in outs:
+        assert rel_err(compiled, reference) < 1e-4
