@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conftest import model_config, wide_heads_flux
-from bcg.buffers import StaticInputs
 from pipeline.blocks import own_blocks
 from pipeline.blocks.flux import FluxKernels, FluxTransformer, check_head_dim, norm_weights
 from pipeline.blocks.layers import Fp8Linear, Linear
@@ -21,6 +20,7 @@ from pipeline.kernels.compile import compile_transformer
 from pipeline.kernels.fp8 import FP8
 from pipeline.models import build_model
 from pipeline.plans import KernelSettings
+from test_kernels import random_inputs
 
 # Rowwise float8 e4m3 for both operands of every block matmul; the tiny Flux's step within this of fp32.
 FP8_STEP_REL_ERR = 0.05
@@ -28,16 +28,6 @@ FP8_STEP_REL_ERR = 0.05
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
-def random_inputs(adapter, side=64, n=2):
-    """n rows of every input of the adapter's step, standard normal (timestep 500)."""
-    x = StaticInputs.allocate(adapter.input_specs(side, side), n, torch.device("cpu")).view(n)
-    gen = torch.Generator().manual_seed(0)
-    for value in x.values():
-        value.copy_(torch.randn(value.shape, generator=gen))
-    x["t"].fill_(500.0)
-    return x
 
 
 def owned(adapter, **settings):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.blocks import flux, pixart
-from pipeline.blocks.layers import swap_tanh_gelus
+from pipeline.blocks.layers import OwnTransformer, swap_tanh_gelus
 from pipeline.errors import UserError
 from pipeline.kernels.compile import compile_options
 from pipeline.plans import KernelSettings
@@ -26,7 +26,7 @@ __all__ = ["is_own", "own_blocks", "owns_blocks"]
 
 def is_own(transformer) -> bool:
     """Whether this transformer is one of our own (not a diffusers model)."""
-    return isinstance(transformer, (flux.FluxTransformer, pixart.PixArtTransformer))
+    return isinstance(transformer, OwnTransformer)
 
 
 def owns_blocks(settings: KernelSettings, family: str) -> bool:

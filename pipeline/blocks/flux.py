@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, linear, linear_of
+from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear, linear_of
 from pipeline.errors import UserError
 from pipeline.kernels import attention_inputs, fp8_attention, fp8_gelu
 from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
@@ -295,15 +295,13 @@ def check_source(source: torch.nn.Module) -> None:
                         "checkpoint's differ: choose kernels.plan=eager")
 
 
-class FluxTransformer(torch.nn.Module):
-    """FluxTransformer2DModel's forward (without ControlNet or IP-Adapter inputs) over our blocks.
-    `config`, `dtype` and `device` are the source model's."""
+class FluxTransformer(OwnTransformer):
+    """FluxTransformer2DModel's forward (without ControlNet or IP-Adapter inputs) over our blocks."""
 
     def __init__(self, source: torch.nn.Module, kernels: FluxKernels):
-        super().__init__()
+        super().__init__(source)
         check_source(source)
         device = source.device
-        self.config = source.config
         self.kernels = kernels
         self.x_embedder, self.context_embedder = source.x_embedder, source.context_embedder
         self.time_text_embed, self.pos_embed, self.proj_out = source.time_text_embed, source.pos_embed, source.proj_out
@@ -316,15 +314,6 @@ class FluxTransformer(torch.nn.Module):
         widths = [m.weight.shape[0] for m in self.modulations]
         self.offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
         self.out_eps = source.norm_out.norm.eps
-        self._dtype = source.dtype
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.proj_out.weight.device
 
     @property
     def hoisted(self) -> bool:

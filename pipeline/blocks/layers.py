@@ -22,6 +22,23 @@ from pipeline.kernels.fp8 import QuantizedRows
 Activation = "torch.Tensor | QuantizedRows"
 
 
+class OwnTransformer(torch.nn.Module):
+    """A transformer of ours over a diffusers model's weights: the source's config; its dtype and device
+    are those of its output projection (`proj_out`, a layer outside the blocks, never float8)."""
+
+    def __init__(self, source: torch.nn.Module):
+        super().__init__()
+        self.config = source.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_out.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+
 def _frozen(t: torch.Tensor | None) -> torch.nn.Parameter | None:
     return None if t is None else torch.nn.Parameter(t.detach(), requires_grad=False)
 

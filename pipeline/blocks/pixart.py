@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.layers import GeluLinear, Linear
+from pipeline.blocks.layers import GeluLinear, Linear, OwnTransformer
 from pipeline.errors import UserError
 from pipeline.kernels import norm as fixed_norm
 
@@ -250,13 +250,13 @@ class ResidualBlock(torch.nn.Module):
         return h
 
 
-class PixArtTransformer(torch.nn.Module):
+class PixArtTransformer(OwnTransformer):
     """PixArtTransformer2DModel's forward over ResidualBlocks: the per-step constants of every block
     computed once before the first (`constants`), each layer norm by `norm` (on CUDA the fixed Triton
-    kernel; either may be compiled: compile_scope=norms). `config`, `dtype`, `device` are the source's."""
+    kernel; either may be compiled: compile_scope=norms)."""
 
     def __init__(self, source: torch.nn.Module, gelu_epilogue: bool, norm: NormFn, constants: ConstantsFn):
-        super().__init__()
+        super().__init__(source)
         blocks = list(getattr(source, "transformer_blocks", []))
         out_norm = getattr(source, "norm_out", None)
         if not blocks or not isinstance(out_norm, torch.nn.LayerNorm) or out_norm.elementwise_affine:
@@ -264,7 +264,6 @@ class PixArtTransformer(torch.nn.Module):
                             "without affine) are accepted; set kernels.fuse_residual=false")
         for i, block in enumerate(blocks):
             check_block(block, f"transformer_blocks.{i}")
-        self.config, self._dtype = source.config, source.dtype
         self.patch_embed = copy.deepcopy(source.pos_embed)  # its convolution writes channels-last: tokens contiguous
         self.patch_embed.proj.to(memory_format=torch.channels_last)
         self.adaln_single, self.caption_projection = source.adaln_single, source.caption_projection
@@ -275,14 +274,6 @@ class PixArtTransformer(torch.nn.Module):
         self.norm, self.constants = norm, constants
         self.out_eps, self.scale_shift_table, self.proj_out = out_norm.eps, source.scale_shift_table, source.proj_out
         self.out_channels, self.additional_conditions = source.out_channels, source.use_additional_conditions
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.proj_out.weight.device
 
     def stack(self) -> BlockStack:
         return BlockStack(*(getattr(self, f.name) for f in fields(BlockStack)))
