@@ -138,22 +138,28 @@ flux() {
 }
 
 flux_job() {  # the product's command on FLUX.1-dev: its default plans, bf16 and precision=fp8, against diffusers
-  local manifest=jobs/manifests/flux_1024.parquet cache=/tmp/flux-cache common
+  # FLUX_RUNS: "precision-batch" words (default: bf16-1 fp8-1 fp8-4); each batch's baseline is saved once, under
+  # /tmp/flux-base-b<batch> (FLUX_KEEP=1: a baseline already there is reused, with the compile cache)
+  local manifest=jobs/manifests/flux_1024.parquet cache=/tmp/flux-cache run precision batch code common
   common=(+job=bench model=flux_dev manifest.path=$manifest kernels.compile_cache_dir=$cache)
-  rm -rf /tmp/flux-base-* /tmp/flux-ours-* $cache
-  for batch in 1 4; do  # diffusers' pipeline alone, its timing and reference images saved per batch size
-    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" bench.baseline_only=true bench.baseline_batch=$batch output.dir=/tmp/flux-base-b$batch > "$BENCH_OUT/flux_base_b$batch.log" 2>&1; local code=$?
-    echo "== flux baseline, batch $batch"; rc $code; grep -E "baseline" "$BENCH_OUT/flux_base_b$batch.log" | tail -2 | cut -c1-300; tail_if_failed $code "$BENCH_OUT/flux_base_b$batch.log"
+  [ -n "${FLUX_KEEP:-}" ] || rm -rf /tmp/flux-base-* $cache
+  for run in ${FLUX_RUNS:-bf16-1 fp8-1 fp8-4}; do
+    precision=${run%-*}; batch=${run#*-}
+    if [ ! -f /tmp/flux-base-b$batch/bench.json ]; then  # diffusers' pipeline alone, its timing and images saved
+      timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=bf16 bench.baseline_only=true bench.baseline_batch=$batch output.dir=/tmp/flux-base-b$batch > "$BENCH_OUT/flux_base_b$batch.log" 2>&1; code=$?
+      cp /tmp/flux-base-b$batch/bench.json "$BENCH_OUT/flux_base_b${batch}.json" 2>/dev/null
+      echo "== flux baseline, batch $batch"; rc $code; tail_if_failed $code "$BENCH_OUT/flux_base_b$batch.log"
+    fi
+    rm -rf /tmp/flux-ours-$run
+    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/flux-base-b$batch output.dir=/tmp/flux-ours-$run "${kernels[@]}" > "$BENCH_OUT/flux_$run.log" 2>&1; code=$?
+    cp /tmp/flux-ours-$run/bench.json "$BENCH_OUT/flux_${run}_bench.json" 2>/dev/null
+    cp /tmp/flux-ours-$run/stats.json "$BENCH_OUT/flux_${run}_stats.json" 2>/dev/null
+    bench_summary "flux job, 8 rows at 1024 px, precision=$precision, batch $batch ${KERNELS:-}" $code "$BENCH_OUT/flux_$run.log"
   done
-  for run in "bf16 1" "fp8 1" "fp8 4"; do
-    read -r precision batch <<< "$run"
-    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/flux-base-b$batch output.dir=/tmp/flux-ours-$precision-b$batch "${kernels[@]}" > "$BENCH_OUT/flux_$precision-b$batch.log" 2>&1; local code=$?
-    cp /tmp/flux-ours-$precision-b$batch/bench.json "$BENCH_OUT/flux_$precision-b${batch}_bench.json" 2>/dev/null
-    cp /tmp/flux-ours-$precision-b$batch/stats.json "$BENCH_OUT/flux_$precision-b${batch}_stats.json" 2>/dev/null
-    bench_summary "flux job, 8 rows at 1024 px, precision=$precision, batch $batch ${KERNELS:-}" $code "$BENCH_OUT/flux_$precision-b$batch.log"
-  done
-  python3 -m pipeline.compare /tmp/flux-ours-bf16-b1 /tmp/flux-ours-fp8-b1 --json "$BENCH_OUT/flux_fp8_vs_bf16.json" > "$BENCH_OUT/flux_fp8_vs_bf16.log" 2>&1; local code=$?
-  echo "== flux fp8 vs bf16 images"; rc $code; tail -6 "$BENCH_OUT/flux_fp8_vs_bf16.log" | cut -c1-300
+  if [ -d /tmp/flux-ours-bf16-1/images ] && [ -d /tmp/flux-ours-fp8-1/images ]; then
+    python3 -m pipeline.compare /tmp/flux-ours-bf16-1 /tmp/flux-ours-fp8-1 --json "$BENCH_OUT/flux_fp8_vs_bf16.json" > "$BENCH_OUT/flux_fp8_vs_bf16.log" 2>&1; code=$?
+    echo "== flux fp8 vs bf16 images"; rc $code; tail -6 "$BENCH_OUT/flux_fp8_vs_bf16.log" | cut -c1-300
+  fi
 }
 
 kernels_1024() {

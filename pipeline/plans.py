@@ -200,5 +200,5 @@ def resolve_plan(plan: str, overrides: Mapping[str, Any], family: str, device_ty
         raise UserError(f"kernels.plan={name} is a float8 plan: choose it with precision=fp8 (its images differ from "
                          "bf16's), or choose kernels.plan=auto")
     settings = spec.resolved(**given)
-    differs = {k: v for k, v in given.items() if spec.resolved().__getattribute__(k) != v}
+    differs = {k: v for k, v in given.items() if getattr(spec.resolved(), k) != v}
     return ResolvedPlan(name, settings, differs, chosen)
