@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-import diffusers
 import torch
 
 from bcg.buffers import InputSpec
 from bcg.buckets import pick_bucket
 from bcg.engine import BCGEngine, Output, ShapeKey
 from pipeline.errors import UserError
+from pipeline.models.source import library
 from pipeline.models.base import Adapter
 from pipeline.samplers import SAMPLERS, Sampler, check_schedule, make_sampler, sampler_name_for
 
@@ -157,7 +157,7 @@ class Denoiser:
 
     def _diffusers_scheduler(self):
         """A fresh scheduler per batch: diffusers' schedulers keep per-run state."""
-        return getattr(diffusers, self.sampler_label).from_config(self.adapter.scheduler_config)
+        return getattr(library("diffusers"), self.sampler_label).from_config(self.adapter.scheduler_config)
 
     # ---- graph bodies: graph-safe, batch-first ------------------------------------------------
 

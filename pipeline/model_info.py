@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.errors import UserError
 
 MODEL_INDEX = "model_index.json"
-# diffusers pipeline class -> family (pipeline.models.FAMILIES' modules list the same classes)
+# diffusers pipeline class -> family; a family's first is what its random weights mirror
 PIPELINE_FAMILIES = {
     "PixArtSigmaPipeline": "pixart",
     "PixArtAlphaPipeline": "pixart",
@@ -24,6 +24,13 @@ PIPELINE_FAMILIES = {
     "DiTPipeline": "dit",
     "FluxPipeline": "flux",
 }
+
+
+def pipelines_of(family: str) -> tuple[str, ...]:
+    """The diffusers pipeline classes of a family, its random weights' default first."""
+    return tuple(cls for cls, name in PIPELINE_FAMILIES.items() if name == family)
+
+
 # diffusers pipeline class -> (steps, guidance scale): its __call__'s defaults
 PIPELINE_DEFAULTS = {
     "PixArtSigmaPipeline": (20, 4.5),

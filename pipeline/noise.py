@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from pipeline.transfer import to_device
 
 
 def item_noise(seed: int, latent_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """[1, C, h, w] on the CPU."""
+    from diffusers.utils.torch_utils import randn_tensor  # the contract's own function, imported when first drawn
+
     generator = torch.Generator("cpu").manual_seed(seed)
     return randn_tensor((1, *latent_shape), generator=generator, device=torch.device("cpu"), dtype=dtype)
 

@@ -17,16 +17,15 @@ import os
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
+import importlib
+
 import torch
-import torch._dynamo
-import torch._dynamo.config
-import torch._inductor.config
 
 # Where torch (2.9 and later) keeps its per-backend fp32 precision; setting allow_tf32 or the float32
 # matmul precision changes them, and setting those back does not change them all back.
 FP32_PRECISION_OWNERS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
                          "mkldnn.conv", "mkldnn.rnn")
-CONFIGS = (torch._dynamo.config, torch._inductor.config)
+CONFIGS = ("torch._dynamo.config", "torch._inductor.config")  # imported when a job starts, not with this module
 
 
 @contextmanager
@@ -36,8 +35,8 @@ def job_scope() -> Iterator[None]:
     with ExitStack() as stack:
         stack.enter_context(saved_environ())
         stack.enter_context(saved_numerics())
-        for config in CONFIGS:
-            stack.enter_context(saved_config(config))
+        for name in CONFIGS:
+            stack.enter_context(saved_config(importlib.import_module(name)))
         stack.enter_context(saved_inductor_choices())
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator; CUDA's are seeded per job
         stack.enter_context(saved_cuda_device())
@@ -128,6 +127,7 @@ def saved_cuda_device() -> Iterator[None]:
 def dropped_compilations() -> Iterator[None]:
     """dynamo's caches emptied at the end (`torch._dynamo.reset`) when the block compiled a graph:
     the next job's models compile for themselves."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]

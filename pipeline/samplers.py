@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import diffusers
 import torch
 
 from pipeline.errors import UserError
+from pipeline.models.source import library
 
 Tensors = dict[str, torch.Tensor]
 
@@ -257,7 +257,7 @@ def build_scheduler(name: str, scheduler_class: str, scheduler_config: dict[str,
     after diffusers' own aliases (algorithm_type deis -> dpmsolver++, solver_type logrho/bh1/bh2 ->
     midpoint); values diffusers refuses outright become ValueErrors naming the option."""
     try:
-        scheduler = getattr(diffusers, scheduler_class).from_config(dict(scheduler_config))
+        scheduler = getattr(library("diffusers"), scheduler_class).from_config(dict(scheduler_config))
     except NotImplementedError as e:
         check_supported(name, scheduler_class, scheduler_config)
         raise UserError(f"{scheduler_class} rejects this config: {e}") from e
@@ -278,7 +278,7 @@ def check_supported(name: str, scheduler_class: str, config: dict[str, Any]) -> 
 def check_schedule(scheduler_class: str, schedule: dict[str, Any]) -> None:
     """The model's schedule keywords (Flux: sigmas and the shift mu) must be ones this scheduler's
     set_timesteps takes."""
-    cls = getattr(diffusers, scheduler_class)
+    cls = getattr(library("diffusers"), scheduler_class)
     unknown = sorted(set(schedule) - set(inspect.signature(cls.set_timesteps).parameters))
     if unknown:
         raise UserError(f"{scheduler_class} cannot run this model's schedule: its set_timesteps takes no {unknown}; "

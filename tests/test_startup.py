@@ -115,7 +115,13 @@ def test_packages_compiled_from_source_are_named_once_with_the_fix(tmp_path, mon
 
     from pipeline.startup import imported_from_source
 
-    fake = types.ModuleType("diffusers")
+    import diffusers
+
+    class Installed(types.ModuleType):  # the real package's names: the job imports it when it needs them
+        def __getattr__(self, name: str):
+            return getattr(diffusers, name)
+
+    fake = Installed("diffusers")
     fake.__file__ = str(tmp_path / "site" / "diffusers" / "__init__.py")
     fake.__cached__ = str(tmp_path / "site" / "diffusers" / "__pycache__" / "__init__.cpython-311.pyc")  # not there
     monkeypatch.setitem(sys.modules, "diffusers", fake)

@@ -8,16 +8,18 @@ random weights (`model.weights=random`: `model.family`, `model.arch`, `model.sch
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import BadRow, Item, Manifest
-from pipeline.models import dit, flux, pixart, sd3
+from pipeline.model_info import PIPELINE_FAMILIES
 from pipeline.models.source import (Source, config_value, force_offline, model_name, quiet_diffusers, read_pipeline_dir,
                                     vae_scale_factor)
 
@@ -28,9 +30,26 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {"pixart": pixart, "sd3": sd3, "dit": dit, "flux": flux}
-# diffusers pipeline class -> family
-PIPELINES = {cls: name for name, module in FAMILIES.items() for cls in module.PIPELINES}
+class _Families(Mapping):
+    """family name -> its module, imported when first asked for: a job imports its own family's
+    (and its diffusers and transformers classes) only."""
+
+    NAMES = ("pixart", "sd3", "dit", "flux")
+
+    def __getitem__(self, name: str):
+        if name not in self.NAMES:
+            raise KeyError(name)
+        return importlib.import_module(f"pipeline.models.{name}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
+FAMILIES = _Families()
+PIPELINES = PIPELINE_FAMILIES  # diffusers pipeline class -> family
 
 
 def _family(name: str):

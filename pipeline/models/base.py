@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 from typing import Any, Callable, Protocol
 
-import diffusers
 import torch
 
 from bcg.buffers import InputSpec
@@ -151,6 +150,8 @@ class TransformerVAE:
 
     def new_scheduler(self):
         """A fresh scheduler per batch: diffusers' schedulers keep per-run state (step index, history)."""
+        import diffusers
+
         return getattr(diffusers, self.scheduler_class).from_config(self.scheduler_config)
 
     conditioning_varies_per_step = False
@@ -239,6 +240,8 @@ def decode_shifted(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
 def pipeline_over(adapter: TransformerVAE, encoders: dict[str, Any], tokenizers: dict[str, Any]) -> Any:
     """diffusers' own `adapter.pipeline` class over the adapter's modules (the same weights), the
     text encoders and tokenizers under their names in that pipeline (text_encoder, tokenizer_2, ...)."""
+    import diffusers
+
     return getattr(diffusers, adapter.pipeline)(
         transformer=adapter.transformer, vae=adapter.vae, scheduler=adapter.new_scheduler(), **encoders, **tokenizers
     )

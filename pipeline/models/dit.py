@@ -20,6 +20,7 @@ from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import Item
+from pipeline.model_info import pipelines_of
 from pipeline.models.base import TransformerVAE
 from pipeline.models.source import (
     Source,
@@ -29,7 +30,7 @@ from pipeline.models.source import (
     vae_scale_factor,
 )
 
-PIPELINES = ("DiTPipeline",)
+PIPELINES = pipelines_of("dit")
 TRANSFORMER = DiTTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 DISTILLED = False  # guided by CFG: every step runs the class and the null class (2B rows)
 NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the unconditional half of CFG

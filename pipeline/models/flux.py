@@ -35,13 +35,13 @@ from bcg.buffers import InputSpec, pad_rows
 from pipeline.blocks.flux import FluxTransformer
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
-from pipeline.model_info import default_tokens
+from pipeline.model_info import default_tokens, pipelines_of
 from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
 from pipeline.models.source import Source, default_max_side, load_component, make_modules, vae_scale_factor
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
 
-PIPELINES = ("FluxPipeline",)
+PIPELINES = pipelines_of("flux")
 TRANSFORMER = FluxTransformer2DModel  # its config keys (heads, head dim) and their defaults
 DISTILLED = True  # no CFG batch unless sampler.true_cfg_scale asks for diffusers' true CFG
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 tokens per prompt (FLUX.1-schnell's checkpoints use 256)

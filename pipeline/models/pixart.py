@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase, T5Config, T5EncoderModel
 from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
+from pipeline.model_info import pipelines_of
 from pipeline.models.base import TransformerVAE, free_memory, pipeline_over, released_message
 from pipeline.models.source import (
     Source,
@@ -31,7 +32,7 @@ from pipeline.models.tokenizer import build_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
 
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
-PIPELINES = (SIGMA, ALPHA)
+PIPELINES = pipelines_of("pixart")
 TRANSFORMER = PixArtTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
 TEXT_LENGTH_MULTIPLE = 64  # kernels.trim_text_padding rounds the text length up to this many tokens

@@ -21,6 +21,7 @@ from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import Item
+from pipeline.model_info import pipelines_of
 from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
 from pipeline.models.source import (
     Source,
@@ -34,7 +35,7 @@ from pipeline.models.source import (
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
 
-PIPELINES = ("StableDiffusion3Pipeline",)
+PIPELINES = pipelines_of("sd3")
 TRANSFORMER = SD3Transformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default T5 tokens per prompt

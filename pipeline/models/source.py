@@ -17,22 +17,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import diffusers
+import importlib
 import torch
-import transformers
-from diffusers.utils import logging as diffusers_logging
 from packaging import version
 
 from pipeline.errors import UserError
 
 MODEL_INDEX = "model_index.json"
-LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
+LIBRARIES = ("diffusers", "transformers")  # the only packages a directory's components may come from
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 INIT_DEVICES = ("cpu", "target")
-# transformers renamed `torch_dtype` to `dtype` in 4.56 (diffusers' loader makes the same choice).
-_TRANSFORMERS_DTYPE_KWARG = (
-    "dtype" if version.parse(version.parse(transformers.__version__).base_version) >= version.parse("4.56") else "torch_dtype"
-)
+
+
+def library(name: str):
+    """diffusers or transformers, imported when a model first needs it (not by the command's checks)."""
+    return importlib.import_module(name)
+
+
+def transformers_dtype_kwarg() -> str:
+    """transformers renamed `torch_dtype` to `dtype` in 4.56 (diffusers' loader makes the same choice)."""
+    installed = version.parse(library("transformers").__version__).base_version
+    return "dtype" if version.parse(installed) >= version.parse("4.56") else "torch_dtype"
 
 
 @dataclass(frozen=True)
@@ -123,13 +128,13 @@ def _component_classes(index: dict[str, Any], where: str) -> dict[str, tuple[str
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or entry[0] is None:
             continue
-        library, cls = entry
-        if library not in LIBRARIES:
+        package, cls = entry
+        if package not in LIBRARIES:
             raise UserError(
-                f"{where}: component {name!r} comes from {library!r}; only components of "
+                f"{where}: component {name!r} comes from {package!r}; only components of "
                 f"{sorted(LIBRARIES)} are loaded (no remote code)"
             )
-        out[name] = (library, cls)
+        out[name] = (package, cls)
     return out
 
 
@@ -137,15 +142,15 @@ def _component_classes(index: dict[str, Any], where: str) -> dict[str, tuple[str
 
 
 def component_class(source: Source, name: str) -> type:
-    library, cls = source.classes[name]
-    found = getattr(LIBRARIES[library], cls, None)
+    library_name, cls = source.classes[name]
+    found = getattr(library(library_name), cls, None)
     if not isinstance(found, type):
-        raise UserError(f"model.path={source.path}: {library} has no class {cls!r} (component {name!r})")
+        raise UserError(f"model.path={source.path}: {library_name} has no class {cls!r} (component {name!r})")
     return found
 
 
 def _is_model(cls: type) -> bool:
-    return issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel))
+    return issubclass(cls, (library("diffusers").ModelMixin, library("transformers").PreTrainedModel))
 
 
 def check_safetensors(source: Source) -> None:
@@ -173,8 +178,8 @@ def load_component(source: Source, name: str, dtype: torch.dtype, device: torch.
     if not _is_model(cls):
         return cls.from_pretrained(folder, local_files_only=True)
     kwargs = dict(local_files_only=True, use_safetensors=True)
-    if issubclass(cls, transformers.PreTrainedModel):
-        kwargs[_TRANSFORMERS_DTYPE_KWARG] = dtype
+    if issubclass(cls, library("transformers").PreTrainedModel):
+        kwargs[transformers_dtype_kwarg()] = dtype
     else:
         kwargs["torch_dtype"] = dtype
     with no_loading_bars():
@@ -186,16 +191,16 @@ def load_component(source: Source, name: str, dtype: torch.dtype, device: torch.
 def no_loading_bars() -> Iterator[None]:
     """Without transformers' and diffusers' progress bars (transformers draws one per component as
     its weights load): the job's own log says what it loaded."""
-    libraries = (transformers.utils.logging, diffusers_logging)
-    enabled = [library.is_progress_bar_enabled() for library in libraries]
-    for library in libraries:
-        library.disable_progress_bar()
+    libraries = (library("transformers").utils.logging, library("diffusers").utils.logging)
+    enabled = [logs.is_progress_bar_enabled() for logs in libraries]
+    for logs in libraries:
+        logs.disable_progress_bar()
     try:
         yield
     finally:
-        for library, was in zip(libraries, enabled):
+        for logs, was in zip(libraries, enabled):
             if was:
-                library.enable_progress_bar()
+                logs.enable_progress_bar()
 
 
 # ---- random weights --------------------------------------------------------------------------
@@ -251,12 +256,13 @@ def default_max_side(native: int, hard: int | None, configured: int | None) -> i
 
 @contextmanager
 def quiet_diffusers() -> Iterator[None]:
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()
+    logging = library("diffusers").utils.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
     try:
         yield
     finally:
-        diffusers_logging.set_verbosity(level)
+        logging.set_verbosity(level)
 
 
 def config_value(cls: type, config: dict[str, Any], key: str) -> Any:
@@ -269,4 +275,4 @@ def config_value(cls: type, config: dict[str, Any], key: str) -> Any:
 
 def vae_scale_factor(vae_config: dict[str, Any]) -> int:
     """Pixels per latent pixel, as diffusers' pipelines compute it: 2 ** (VAE levels - 1)."""
-    return 2 ** (len(config_value(diffusers.AutoencoderKL, vae_config, "block_out_channels")) - 1)
+    return 2 ** (len(config_value(library("diffusers").AutoencoderKL, vae_config, "block_out_channels")) - 1)
