@@ -128,7 +128,8 @@ def test_flux_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_own_
     resumed = run_python(*job_args(manifest, tmp_path / "resumed", plan=plan), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = stats(tmp_path / "resumed")
-    assert again["images"]["skipped"] > 0 and again["kernels"]["cache_misses"] == 0
+    # it loads what the stopped process compiled (a graph kind that one never ran, it compiles)
+    assert again["images"]["skipped"] > 0 and again["kernels"]["cache_hits"] > 0
     reference = images(tmp_path / "whole")
     assert images(tmp_path / "resumed") == reference
     assert stats(tmp_path / "other")["kernels"]["cache_hits"] == 0  # it compiled for itself
