@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import signal
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import torch
@@ -31,18 +33,18 @@ from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compi
                               start_compile_workers, with_attention)
 from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
-from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
+from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
-from pipeline.planner import Batch, Plan, buckets_by_resolution
+from pipeline.planner import Batch, Plan, buckets_by_resolution, size_label
 from pipeline.precision import DTYPES, apply_precision, resolve_device
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
-from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
-from pipeline.startup import Preamble, StartupClock, say_imported_from_source
+from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo
+from pipeline.startup import Preamble, StartupClock, process_age_s, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
@@ -419,7 +421,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
         with logging_redirect_tqdm(), tqdm(total=sum(len(b.items) for b in todo), unit="img",
                                            disable=not runtime.progress) as bar:
             for batch in todo:
-                bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
+                bar.set_postfix_str(f"{size_label(batch.height, batch.width)} b{batch.bucket}")
                 busy.begin()
                 pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats)
                 busy.end()

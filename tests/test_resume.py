@@ -16,6 +16,7 @@ import torch
 
 from conftest import REPO, cpu_job, rows, write_manifest
 from pipeline import job as job_module
+from pipeline import planner
 from pipeline import writer as writer_module
 from pipeline.guard import JobLock, LockedError
 from pipeline.job import run
@@ -115,6 +116,24 @@ def test_changed_manifest_row_is_refused_by_id_unless_overwrite(tmp_path):
     assert report["images"]["ok"] == 2  # a and b shared one batch: both regenerated
     table = pq.read_table(tmp_path / "out" / "shards").to_pylist()
     assert {r["id"]: r["seed"] for r in table} == {"a": 1, "b": 99}
+
+
+def test_an_output_whose_keys_put_the_height_first_is_named_and_overwrite_redoes_only_those(tmp_path, monkeypatch):
+    """Batch keys name a size width x height; earlier versions wrote height x width: a square's
+    key is the same, another's is a conflict that says so."""
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("sq", 64, 64, 1), ("wide", 96, 64, 2)))
+    monkeypatch.setattr(planner, "size_label", lambda height, width: f"{height}x{width}")  # as they keyed batches
+    run(cpu_job(manifest, tmp_path / "out"))
+    monkeypatch.undo()
+    with pytest.raises(ResumeConflict) as refused:
+        run(cpu_job(manifest, tmp_path / "out"))
+    lines = str(refused.value).splitlines()
+    assert lines[1] == "  64x96-000000-b1: its key names the size height x width"
+    assert "An earlier version of bcg-datagen committed these batches" in lines[2] and len(lines) == 4
+    report = run(cpu_job(manifest, tmp_path / "out", "output.on_conflict=overwrite"))
+    assert (report["images"]["ok"], report["images"]["skipped"], report["per_resolution"]) == (1, 1, {"96x64": 1})
+    table = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert sorted(r["batch_key"] for r in table) == ["64x64-000000-b1", "96x64-000000-b1"]  # the square batch kept
 
 
 def test_changed_settings_are_a_conflict_but_a_null_negative_prompt_equals_empty(tmp_path):
