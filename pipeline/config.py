@@ -266,12 +266,19 @@ def output_dir_or(default: str, *, _root_: DictConfig) -> str:
     return default if _root_.output.dir is None else _root_.output.dir
 
 
+def dirname(text: str) -> str:
+    """`${dirname:...}` (hydra.sweep.subdir): one directory name, each `/` (a config group's, as in
+    `bcg/ladder=pow2_8`) written `-`."""
+    return text.replace("/", "-")
+
+
 def register_configs() -> None:
     """The schema and the resolvers that conf/ uses (`${asset:...}`, `${output_dir_or:...}`,
-    `${exit_codes:}` in the help text)."""
+    `${dirname:...}`, `${exit_codes:}` in the help text)."""
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     OmegaConf.register_new_resolver("asset", asset, replace=True)
     OmegaConf.register_new_resolver("output_dir_or", output_dir_or, replace=True)
+    OmegaConf.register_new_resolver("dirname", dirname, replace=True)
     OmegaConf.register_new_resolver("exit_codes", text_table, replace=True)
 
 
