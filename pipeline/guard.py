@@ -130,6 +130,7 @@ class Interrupted(RuntimeError):
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}; committed batches are kept, "
                          "run the same command again to finish")
+        self.signum = signum
         self.exit_code = ExitCode.for_signal(signum)
 
 

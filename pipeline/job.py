@@ -134,7 +134,9 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     # 5. What every output row records about how it was made, from the configs (no weights needed).
     fields = job_fields(cfg, setup.precision)
 
-    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir, setup.device):
+    todo = None
+    with stopped_summary(stats, lambda: (planned, todo), len(bad), setup.out_dir), \
+            JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(cfg.kernels, setup.out_dir, setup.device):
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.
@@ -475,15 +477,38 @@ def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
 
 def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool) -> None:
     """Merge when every shard is in; otherwise say which are missing. One summary line either way."""
-    images = report.images
     try:
         merged = merge(out_dir, shard.count)
         where = f"{out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
     except IncompleteError as err:
         where = str(err)
-    log.info(
-        "summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %.1f s wall; %s",
-        images.ok, images.failed, images.skipped, images.invalid, report.wall_s, where,
-    )
+    say_summary(report.images, report.wall_s, where)
     if contact_sheet:
         log.info("contact sheet: %s", write_contact_sheet(out_dir))
+
+
+@contextmanager
+def stopped_summary(stats: RunStats, progress: Callable[[], tuple[ShardPlan | None, list[Batch] | None]], invalid: int,
+                    out_dir: Path) -> Iterator[None]:
+    """A job stopped by a signal still ends with its summary line (then the CLI's line says how to
+    finish it). `progress`: the plan and the batches left as the job knows them when it stops."""
+    try:
+        yield
+    except Interrupted as stop:
+        planned, todo = progress()
+        images = planned.images if planned is not None else 0
+        left = images if todo is None else sum(len(b.items) for b in todo)
+        counts = stats.figures(planned=images, skipped=images - left, invalid=invalid)
+        say_summary(counts["images"], counts["wall_s"], f"stopped by {signal.Signals(stop.signum).name}, {out_dir} "
+                    "is not complete")
+        raise
+
+
+def say_summary(images: ImageCounts, job_wall_s: float, where: str) -> None:
+    """The job's last line. Its wall time runs from the process's start (start-up included), where the
+    system says when that was."""
+    since_start = process_age_s()
+    wall = (f"{since_start:.1f} s wall since the command started" if since_start is not None
+            else f"{job_wall_s:.1f} s wall since the job started")
+    log.info("summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %s; %s",
+             images.ok, images.failed, images.skipped, images.invalid, wall, where)

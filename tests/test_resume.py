@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,13 +71,23 @@ def test_stopped_job_finishes_when_run_again_with_identical_images(uninterrupted
     proc = cli(manifest, out)
     wait_for_batches(out, 3, proc)
     proc.send_signal(sig)
-    assert proc.wait(timeout=120) == code, proc.communicate()
+    stopped = "".join(proc.communicate(timeout=120))
+    assert proc.returncode == code, stopped
     first = committed_ids(out)
     assert 3 <= len(first) < len(MANY) and not (out / "_SUCCESS").exists()
+    if sig != signal.SIGKILL:  # the job's own last line, then the CLI's
+        summary = re.search(r"summary: (\d+) done, .* s wall since the command started; stopped by (\w+), ", stopped)
+        assert summary and summary[2] == signal.Signals(sig).name, stopped[-3000:]
+        assert int(summary[1]) == len(first)  # this run committed them all: none was skipped
+    began = time.monotonic()
     again = cli(manifest, out)
     stdout, stderr = again.communicate(timeout=300)
+    real_s = time.monotonic() - began
     assert again.returncode == 0, stderr
     assert f"{len(first)} skipped" in stdout + stderr
+    wall = float(re.search(r"summary: .* ([\d.]+) s wall since the command started;", stdout + stderr)[1])
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["startup_s"]["imports"] + stats["wall_s"] - 0.1 <= wall <= real_s + 0.1  # start-up included
     assert committed_ids(out) == sorted(r["id"] for r in MANY)  # every id exactly once
     assert not visible_tmp(out)
     for image in (whole / "images").iterdir():
