@@ -347,6 +347,17 @@ def check_auto_sizes(sizes) -> None:
         raise UserError(f"bcg.auto_sizes={list(sizes)}: at most {MAX_SIZES} sizes (every subset is a candidate ladder)")
 
 
+def check_ladder(ladder) -> None:
+    """bcg.ladder as a list: every bucket an integer >= 1."""
+    from bcg.buckets import parse_ladder
+    from bcg.errors import BCGConfigError
+
+    try:
+        parse_ladder(list(ladder))
+    except BCGConfigError as err:
+        raise UserError(str(err)) from None
+
+
 def check_output(output: OutputConfig) -> None:
     """The image options (output.format's choice is checked with the others)."""
     if not 1 <= output.quality <= 100:
@@ -393,6 +404,8 @@ def check_choices(cfg: JobConfig) -> None:
         raise UserError(f"bcg.ladder={ladder!r} is not accepted; give a list of batch sizes, e.g. [1,2,4,8], or auto")
     if ladder == "auto":
         check_auto_sizes(cfg.bcg.auto_sizes)
+    else:
+        check_ladder(ladder)
     if cfg.runtime.inflight_batches < 0:
         raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
     if cfg.sampler.steps < 1:

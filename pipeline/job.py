@@ -190,16 +190,36 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
 
 def start(cfg: JobConfig) -> tuple[Setup, RunStats]:
-    """Refuse bad choices and kernel settings, select the device, set the numerics flags; the job's
-    clock starts here."""
-    check_choices(cfg)
-    shard = ShardSpec(cfg.shard.index, cfg.shard.count)
+    """The job's clock starts here; then `prepare`."""
     stats = RunStats()
     say_imported_from_source(stats.startup.from_source)
+    return prepare(cfg), stats
+
+
+def prepare(cfg: JobConfig) -> Setup:
+    """Refuse bad choices and kernel settings, select the device, set the numerics flags."""
+    check_choices(cfg)
+    shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     device = resolve_device(cfg.runtime.device, shard.index)
     check_job_kernels(cfg, device)
     precision = apply_precision(cfg.precision.dtype, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
-    return Setup(shard, device, precision, Path(cfg.output.dir)), stats
+    return Setup(shard, device, precision, Path(cfg.output.dir))
+
+
+@job_scope()  # prepare's numerics flags put back
+def check(cfg: JobConfig) -> None:
+    """What `run` refuses before it writes or builds anything (steps 1 to 6: the device, the kernel
+    settings, bad manifest rows, the ladder, committed batches that conflict), refused without writing
+    anything: the CLI calls it before Hydra creates its files in output.dir. A new auto ladder's
+    plan waits for its calibration, and so does the check of its committed batches."""
+    setup = prepare(cfg)
+    manifest, bad, _ = read_valid_manifest(cfg)
+    ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
+                            settings_digest(cfg, setup.precision))
+    planned = plan_ladder(ladder, manifest, cfg, setup.shard)
+    if planned is not None:
+        refuse_committed(setup.out_dir, read_committed(setup.out_dir), planned, manifest, bad,
+                         job_fields(cfg, setup.precision), cfg.output)
 
 
 def check_job_kernels(cfg: JobConfig, device: torch.device) -> None:
@@ -344,13 +364,7 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, b
     if planned is None:
         return None
     committed = read_committed(out_dir)
-    committed = read_committed(out_dir)
-    foreign = foreign_ids(committed, set(manifest.ids()) | {r.id for r in bad})
-    if foreign:
-        raise ResumeConflict(foreign_message(foreign, committed, out_dir))
-    conflicts = find_conflicts(planned.plan.batches, planned.mine, committed, fields, output.layout)
-    if conflicts and output.on_conflict == "error":
-        raise ResumeConflict(conflict_message(conflicts, out_dir))
+    conflicts = refuse_committed(out_dir, committed, planned, manifest, bad, fields, output)
     if conflicts:
         overwrite(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0),
                   {r.id for r in bad})
@@ -364,6 +378,20 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, b
         of = f"{shard.name} of {out_dir}" if shard.count > 1 else str(out_dir)
         log.info("nothing to do: all %d images of %s are committed", planned.images, of)
     return todo
+
+
+def refuse_committed(out_dir: Path, committed: Committed, planned: ShardPlan, manifest: Manifest, bad: list[BadRow],
+                     fields: dict[str, Any], output: OutputConfig) -> dict[str, str]:
+    """ResumeConflict for committed images of ids this job's manifest does not hold (another job's,
+    overwrite or not), and with output.on_conflict=error for committed batches that no longer match
+    the job; -> those batches (key -> why), for overwrite to clear."""
+    foreign = foreign_ids(committed, set(manifest.ids()) | {r.id for r in bad})
+    if foreign:
+        raise ResumeConflict(foreign_message(foreign, committed, out_dir))
+    conflicts = find_conflicts(planned.plan.batches, planned.mine, committed, fields, output.layout)
+    if conflicts and output.on_conflict == "error":
+        raise ResumeConflict(conflict_message(conflicts, out_dir))
+    return conflicts
 
 
 def overwrite(out_dir: Path, committed: Committed, keys: list[str], bad_ids: set[str]) -> None:
