@@ -236,10 +236,30 @@ def test_without_output_dir_the_job_writes_to_hydras_run_directory(tmp_path):
     assert resolve_job(cfg, tmp_path, tmp_path / "outputs/run").output.dir == str(tmp_path / "outputs/run")
 
 
+CRON = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}  # what cron gives a job: `env -i` and these
+
+
+def test_nightly_wrapper_under_crons_environment_says_in_one_line_how_to_set_its_python(tmp_path):
+    if any((REPO / venv / "bin/python").exists() for venv in (".venv", "venv")):
+        pytest.skip("this checkout holds a virtual environment, which the wrapper runs")
+    bare = tmp_path / "bin/python3"  # first on cron's PATH: a python without the package's requirements
+    bare.parent.mkdir()
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    cron = dict(CRON, PATH=f"{bare.parent}:{CRON['PATH']}")
+    proc = subprocess.run([str(REPO / "jobs/nightly.sh"), "manifest.path=prompts.parquet"], cwd=tmp_path, env=cron,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == ExitCode.USER_ERROR and "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr == (f"error: {bare} (from PATH={cron['PATH']}) has no hydra, omegaconf, pyarrow, torch, diffusers, "
+                           "transformers: bcg-datagen is not installed for it; set BCG_PYTHON to the python you "
+                           "installed bcg-datagen with (e.g. BCG_PYTHON=/path/to/venv/bin/python in the crontab line)\n")
+    assert re.fullmatch(r"nightly \S+ \S+: exit 2\n", proc.stdout) and [p.name for p in tmp_path.iterdir()] == ["bin"]
+
+
 @pytest.mark.slow
-def test_nightly_wrapper_runs_in_the_callers_directory(tmp_path):
+def test_nightly_wrapper_runs_in_the_callers_directory_under_crons_environment(tmp_path):
     write_manifest(tmp_path / "prompts.parquet", rows(("a", 64, 64, 1)))
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # its python3
+    env = dict(CRON, BCG_PYTHON=sys.executable)  # as the crontab line sets it
     proc = subprocess.run([str(REPO / "jobs/nightly.sh"), "manifest.path=prompts.parquet", "model=tiny", *TINY_CPU],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
