@@ -64,6 +64,7 @@ from pipeline.models import build_model, save_diffusers
 from pipeline.models.pixart import PixArtAdapter
 from pipeline.models.source import build_random_modules
 from pipeline.noise import batch_noise
+from pipeline.planner import size_label
 from pipeline.precision import apply_precision
 from pipeline.reference import diffusers_images, to_levels
 
@@ -314,10 +315,10 @@ def run_parity(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
 
 
 def parity_table(results: list[dict]) -> str:
-    lines = ["| model | scope | rows | sizes (HxW) | max diff | mean diff | share > 2 levels | graphs/hits/misses |",
+    lines = ["| model | scope | rows | sizes (WxH) | max diff | mean diff | share > 2 levels | graphs/hits/misses |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        sizes = ", ".join(f"{h}x{w}" for h, w in r["sizes"])
+        sizes = ", ".join(size_label(h, w) for h, w in r["sizes"])
         if "error" in r:
             lines.append(f"| {r['model']} | {r['scope']} | {r['rows']} | {sizes} | error: {r['error'][:120]} | | | |")
             continue

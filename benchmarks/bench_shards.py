@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pipeline.compare import compare
 from pipeline.merge import STATS
+from pipeline.planner import size_label
 from pipeline.report import RunReport
 from pipeline.stats import per_second
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     save(args.out, result)  # the figures first: the image comparison below reads every image twice
     images = compare(single, sharded, per_image=True)
-    size = {r["id"]: f"{r['height']}x{r['width']}" for r in rows}
+    size = {r["id"]: size_label(r["height"], r["width"]) for r in rows}
     by_size: dict[str, list[int]] = {}
     for image in images.pop("per_image"):
         counts = by_size.setdefault(size[image["id"]], [0, 0])

@@ -3,10 +3,13 @@
     python jobs/train_digits.py [--out jobs/models/digits] [--device cpu|cuda] [--seed 0]
 
 One command with the defaults (autoencoder 1,500 steps, denoiser 5,000 steps) trains on the CPU.
-The shipped weights (jobs/models/digits) came from two runs, seed 0:
+The shipped weights (jobs/models/digits) came from four runs, seed 0: two at six sizes, then two that
+trained them further at every size of SIZES (one thread each, OMP_NUM_THREADS=1, on a shared CPU):
     python jobs/train_digits.py --device cuda --steps 3000 --out /tmp/digits-3k
     python jobs/train_digits.py --init /tmp/digits-3k --vae-steps 0 --steps 2000
-tests/test_digits.py checks how many of its digits read right. --freeze-text-encoder keeps a random
+    python jobs/train_digits.py --init jobs/models/digits --vae-steps 600 --steps 0 --out /tmp/d-vae
+    python jobs/train_digits.py --init /tmp/d-vae --vae-steps 0 --steps 1500
+tests/test_digits.py checks how many of its digits read right, two at every size. --freeze-text-encoder keeps a random
 T5 instead of training it jointly (it reads far fewer digits right).
 
 Data (pipeline/demo.py): scikit-learn's digits. The first TRAIN_SHARE by index train the generator;

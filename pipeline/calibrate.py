@@ -28,11 +28,13 @@ from bcg.errors import BCGConfigError
 from bcg.memory import GIB, GraphNeed, mib
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_text
+from pipeline.planner import size_label
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 SAVED = "ladder.json"
+VERSION = 2  # ladder.json's: 2 names resolutions width x height
 REPLAYS = 3
 
 Costs = dict[tuple[int, int], dict[int, float]]
@@ -48,7 +50,8 @@ def fingerprint(counts: dict[tuple[int, int], int], sizes, pool_limit_gib, pool_
                 settings: str) -> str:
     """What a choice depends on: rows per resolution, the calibrated sizes, the pool limit and
     margin, whether graphs were on, and every setting an image (and a step's time) depends on."""
-    what = {"counts": {_key(res): n for res, n in sorted(counts.items())}, "sizes": list(sizes),
+    # "HxW": the text earlier versions hashed, so that their saved choices stay valid
+    what = {"counts": {"{}x{}".format(*res): n for res, n in sorted(counts.items())}, "sizes": list(sizes),
             "pool_limit_gib": pool_limit_gib, "pool_margin": pool_margin, "graphs": graphs, "settings": settings}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -62,7 +65,8 @@ def load_choice(out_dir: Path, expected: str) -> SavedChoice | None:
     try:
         raw = json.loads(path.read_text())
         ladder, found = [int(b) for b in raw["ladder"]], raw["fingerprint"]
-        costs = {_res(k): {int(b): float(s) for b, s in table.items()} for k, table in raw["costs"].items()}
+        width_first = raw.get("version") == VERSION
+        costs = {_res(k, width_first): {int(b): float(s) for b, s in table.items()} for k, table in raw["costs"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(f"{path} is not a ladder choice this version wrote ({err!r}); delete it to calibrate again") from err
     if found != expected:
@@ -75,19 +79,15 @@ def load_choice(out_dir: Path, expected: str) -> SavedChoice | None:
 def save_choice(out_dir: Path, costs: Costs, print_: str, report: dict) -> None:
     """`report` (auto_ladder's) holds the chosen ladder; saved with the costs and the fingerprint."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    body = {"ladder": report["chosen"], "fingerprint": print_,
-            "costs": {_key(res): {str(b): s for b, s in t.items()} for res, t in costs.items()}, **report}
+    body = {"version": VERSION, "ladder": report["chosen"], "fingerprint": print_,
+            "costs": {size_label(*res): {str(b): s for b, s in t.items()} for res, t in costs.items()}, **report}
     atomic_write_text(Path(out_dir) / SAVED, json.dumps(body, indent=2))
 
 
-def _key(resolution: tuple[int, int]) -> str:
-    """(height, width) -> "HxW", the resolution's key in ladder.json; `_res` reads it back."""
-    return "{}x{}".format(*resolution)
-
-
-def _res(key: str) -> tuple[int, int]:
-    h, w = key.split("x")
-    return int(h), int(w)
+def _res(key: str, width_first: bool) -> tuple[int, int]:
+    """ladder.json's key of a resolution -> (height, width): "WxH" (size_label) since VERSION, "HxW" before."""
+    first, second = (int(side) for side in key.split("x"))
+    return (second, first) if width_first else (first, second)
 
 
 def measure(fn, spec_fn, resolutions: list[tuple[int, int]], sizes: list[int], device: torch.device, warmup: int,
@@ -151,7 +151,7 @@ def auto_ladder(fn, spec_fn, counts: dict[tuple[int, int], int], sizes: list[int
         "calibration_s": round(calibration_s, 3),
         "sizes": list(sizes),
         "dropped_sizes": {str(b): why for b, why in dropped.items()},
-        "step_s": {f"{_key((m.height, m.width))}-b{m.bucket}": round(m.step_s, 6) for m in measurements},
+        "step_s": {f"{size_label(m.height, m.width)}-b{m.bucket}": round(m.step_s, 6) for m in measurements},
         "options": [
             {"ladder": list(o.ladder), "predicted_s": round(o.predicted_s, 4), "pool_mib": mib(o.pool_bytes),
              "batches": o.batches, "padded_rows": o.padded_rows, "fits": o.fits}

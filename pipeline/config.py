@@ -205,12 +205,19 @@ def output_dir_or(default: str, *, _root_: DictConfig) -> str:
     return default if _root_.output.dir is None else _root_.output.dir
 
 
+def dirname(text: str) -> str:
+    """`${dirname:...}` (hydra.sweep.subdir): one directory name, each `/` (a config group's, as in
+    `bcg/ladder=pow2_8`) written `-`."""
+    return text.replace("/", "-")
+
+
 def register_configs() -> None:
     """The schema and the resolvers that conf/ uses (`${asset:...}`, `${output_dir_or:...}`,
-    `${exit_codes:}` in the help text)."""
+    `${dirname:...}`, `${exit_codes:}` in the help text)."""
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     OmegaConf.register_new_resolver("asset", asset, replace=True)
     OmegaConf.register_new_resolver("output_dir_or", output_dir_or, replace=True)
+    OmegaConf.register_new_resolver("dirname", dirname, replace=True)
     OmegaConf.register_new_resolver("exit_codes", text_table, replace=True)
 
 
@@ -293,6 +300,17 @@ def check_auto_sizes(sizes) -> None:
         raise UserError(f"bcg.auto_sizes={list(sizes)}: at most {MAX_SIZES} sizes (every subset is a candidate ladder)")
 
 
+def check_ladder(ladder) -> None:
+    """bcg.ladder as a list: every bucket an integer >= 1."""
+    from bcg.buckets import parse_ladder
+    from bcg.errors import BCGConfigError
+
+    try:
+        parse_ladder(list(ladder))
+    except BCGConfigError as err:
+        raise UserError(str(err)) from None
+
+
 def check_output(output: OutputConfig) -> None:
     """The image options (output.format's choice is checked with the others)."""
     if not 1 <= output.quality <= 100:
@@ -344,6 +362,8 @@ def check_choices(cfg: JobConfig) -> None:
         raise UserError(f"bcg.ladder={ladder!r} is not accepted; give a list of batch sizes, e.g. [1,2,4,8], or auto")
     if ladder == "auto":
         check_auto_sizes(cfg.bcg.auto_sizes)
+    else:
+        check_ladder(ladder)
     if cfg.runtime.inflight_batches < 0:
         raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
     if cfg.sampler.steps is not None and cfg.sampler.steps < 1:  # null: the model's own

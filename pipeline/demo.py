@@ -9,6 +9,7 @@ the digit the prompt named" with a reader the generator could not have fitted.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -19,7 +20,10 @@ import torch.nn.functional as F
 from pipeline.errors import UserError
 
 TRAIN_SHARE = 0.8  # the first 80% of the digits by index train the generator; the rest never
-SIZES = ((16, 16), (24, 24), (32, 32), (48, 48), (32, 24), (48, 32))  # (H, W) the model is trained at, multiples of 8
+# Every (H, W) the demo model draws and is trained at: each side a multiple of its granularity (8) up
+# to its max_side (48, conf/model/digits.yaml), as the manifest's check allows.
+SIDES = range(8, 49, 8)
+SIZES = tuple(itertools.product(SIDES, SIDES))
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 PHRASINGS = (  # {d}: the numeral, {w}: the word
     "{d}", "{w}", "digit {d}", "digit {w}", "the number {w}", "the number {d}", "a handwritten digit {d}",

@@ -55,8 +55,7 @@ class JobLock:
             fd = _open(self.shard_path)
             self._fds.append(fd)
             if not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.out_dir):
-                raise LockedError(f"{self.out_dir} is being written by {_holder(fd)}, which runs {self.shard.name} "
-                                  f"(lock {self.shard_path}); wait for it to finish, or use another output.dir")
+                raise _shard_held(self.out_dir, self.shard_path, fd, self.shard)
             _record(fd, _whoami())
         except BaseException:
             self.__exit__()
@@ -83,9 +82,7 @@ class JobLock:
                 os.close(fd)
                 raise
             os.close(fd)
-            raise LockedError(f"{self.out_dir} is being written by a job with {holder} (lock {self.path}); this job "
-                              f"has shard.count={self.shard.count}: wait for that job to finish, or use another "
-                              "output.dir")
+            raise _other_job(self.out_dir, self.path, holder, self.shard)
         finally:
             os.close(gate)  # releases the gate
 
@@ -94,8 +91,57 @@ class JobLock:
             os.close(self._fds.pop())
 
 
+def check_free(out_dir: Path, shard: ShardSpec) -> None:
+    """JobLock's refusals made without taking its locks or writing a file (the CLI checks before
+    Hydra writes into output.dir): LockedError when a job with another shard.count holds `out_dir`,
+    or a live process runs this shard there. The job takes the locks itself afterwards."""
+    out_dir = Path(out_dir)
+    gate = _open_existing(out_dir / GATE)
+    if gate is None:
+        return  # no job has locked this directory
+    try:
+        _flock(gate, fcntl.LOCK_EX, out_dir)  # as JobLock checks: never while a job is taking the lock
+        fd = _open_existing(out_dir / LOCK)
+        try:
+            if fd is not None and not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, out_dir):
+                holder = _holder(fd)
+                if not (holder.startswith(f"shard.count={shard.count}:") and _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, out_dir)):
+                    raise _other_job(out_dir, out_dir / LOCK, holder, shard)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    finally:
+        os.close(gate)
+    path = out_dir / f"{LOCK}-{shard.name}"
+    fd = _open_existing(path)
+    if fd is not None:
+        try:
+            if not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, out_dir):
+                raise _shard_held(out_dir, path, fd, shard)
+        finally:
+            os.close(fd)
+
+
+def _other_job(out_dir: Path, path: Path, holder: str, shard: ShardSpec) -> LockedError:
+    return LockedError(f"{out_dir} is being written by a job with {holder} (lock {path}); this job has "
+                       f"shard.count={shard.count}: wait for that job to finish, or use another output.dir")
+
+
+def _shard_held(out_dir: Path, path: Path, fd: int, shard: ShardSpec) -> LockedError:
+    return LockedError(f"{out_dir} is being written by {_holder(fd)}, which runs {shard.name} (lock {path}); wait "
+                       "for it to finish, or use another output.dir")
+
+
 def _open(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _open_existing(path: Path) -> int | None:
+    """A lock file opened to test its lock (flock needs no write access); None where there is none."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
 
 
 def _flock(fd: int, operation: int, out_dir: Path) -> bool:
@@ -130,6 +176,7 @@ class Interrupted(RuntimeError):
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}; committed batches are kept, "
                          "run the same command again to finish")
+        self.signum = signum
         self.exit_code = ExitCode.for_signal(signum)
 
 

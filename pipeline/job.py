@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import signal
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import torch
@@ -31,20 +33,20 @@ from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compi
                               start_compile_workers, with_attention)
 from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
-from pipeline.guard import JobLock, StopSignals, remove_stale_tmp
+from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
-from pipeline.planner import Batch, Plan, buckets_by_resolution
+from pipeline.planner import Batch, Plan, buckets_by_resolution, size_label
 from pipeline.model_info import model_family, sampler_defaults
 from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
-from pipeline.report import GpuBusyReport, OutputReport, PartReport, PromptCacheCounts, ShardInfo
-from pipeline.startup import Preamble, StartupClock, say_imported_from_source
+from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo
+from pipeline.startup import Preamble, StartupClock, process_age_s, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
@@ -140,7 +142,9 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     # 5. What every output row records about how it was made, from the configs (no weights needed).
     fields = job_fields(cfg, setup.precision, setup.kernels)
 
-    with JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(setup.kernels, setup.out_dir, setup.device):
+    todo = None
+    with stopped_summary(stats, lambda: (planned, todo), len(bad), setup.out_dir), \
+            JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(setup.kernels, setup.out_dir, setup.device):
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.
@@ -194,19 +198,41 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
 
 def start(cfg: JobConfig) -> tuple[Setup, RunStats]:
-    """Refuse bad choices and kernel settings, select the device, the precision and the kernel plan,
-    set the numerics flags; say what will run; the job's clock starts here."""
+    """The job's clock starts here; then `prepare`; the log's first lines say what will run."""
+    stats = RunStats()
+    say_imported_from_source(stats.startup.from_source)
+    setup = prepare(cfg)
+    say_what_runs(cfg, setup)
+    return setup, stats
+
+
+def prepare(cfg: JobConfig) -> Setup:
+    """Refuse bad choices and kernel settings, select the device, the precision and the kernel plan, set
+    the numerics flags."""
     fill_sampler_defaults(cfg.sampler, cfg.model)
     check_choices(cfg)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
-    stats = RunStats()
-    say_imported_from_source(stats.startup.from_source)
     device = resolve_device(cfg.runtime.device, shard.index)
     precision = resolve_precision(cfg.precision.dtype, device)
     plan = job_plan(cfg, device, precision)
     record = apply_precision(precision, cfg.precision.tf32, cfg.precision.cudnn_benchmark)
-    say_what_runs(cfg, device, precision, plan)
-    return Setup(shard, device, record, precision.torch_dtype, plan, Path(cfg.output.dir)), stats
+    return Setup(shard, device, record, precision.torch_dtype, plan, Path(cfg.output.dir))
+
+
+@job_scope()  # prepare's numerics flags put back
+def check(cfg: JobConfig) -> None:
+    """What `run` refuses before it writes or builds anything (steps 1 to 6: the device, the kernel
+    settings, bad manifest rows, the ladder, committed batches that conflict), refused without writing
+    anything: the CLI calls it before Hydra creates its files in output.dir. A new auto ladder's
+    plan waits for its calibration, and so does the check of its committed batches."""
+    setup = prepare(cfg)
+    manifest, bad, _ = read_valid_manifest(cfg)
+    ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
+                            settings_digest(cfg, setup.precision, setup.kernels))
+    planned = plan_ladder(ladder, manifest, cfg, setup.shard)
+    if planned is not None:
+        refuse_committed(setup.out_dir, read_committed(setup.out_dir), planned, manifest, bad,
+                         job_fields(cfg, setup.precision, setup.kernels), cfg.output)
 
 
 def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> ResolvedPlan:
@@ -222,7 +248,7 @@ def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> Reso
     return plan
 
 
-def say_what_runs(cfg: JobConfig, device: torch.device, precision: Precision, plan: ResolvedPlan) -> None:
+def say_what_runs(cfg: JobConfig, setup: Setup) -> None:
     """The log's first lines: the model and its sampler settings (and where they come from), the
     device and precision, the kernel plan and its settings."""
     own = sampler_defaults(cfg.model)
@@ -230,8 +256,8 @@ def say_what_runs(cfg: JobConfig, device: torch.device, precision: Precision, pl
     log.info("model %s: %d steps, guidance %s (%s); sampler %s", cfg.model.name, cfg.sampler.steps,
              cfg.sampler.guidance_scale, "set for this job" if given else f"the model's own: {own.source}",
              cfg.sampler.name)
-    log.info("device %s, precision %s", device, precision.describe())
-    log.info("%s", plan.describe())
+    log.info("device %s, precision %s", setup.device, resolve_precision(cfg.precision.dtype, setup.device).describe())
+    log.info("%s", setup.plan.describe())
 
 
 def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Schema]:
@@ -371,13 +397,7 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, b
     if planned is None:
         return None
     committed = read_committed(out_dir)
-    committed = read_committed(out_dir)
-    foreign = foreign_ids(committed, set(manifest.ids()) | {r.id for r in bad})
-    if foreign:
-        raise ResumeConflict(foreign_message(foreign, committed, out_dir))
-    conflicts = find_conflicts(planned.plan.batches, planned.mine, committed, fields, output.layout)
-    if conflicts and output.on_conflict == "error":
-        raise ResumeConflict(conflict_message(conflicts, out_dir))
+    conflicts = refuse_committed(out_dir, committed, planned, manifest, bad, fields, output)
     if conflicts:
         overwrite(out_dir, committed, keys_to_clear(conflicts, planned.plan.batches, planned.mine, shard.index == 0),
                   {r.id for r in bad})
@@ -391,6 +411,20 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, b
         of = f"{shard.name} of {out_dir}" if shard.count > 1 else str(out_dir)
         log.info("nothing to do: all %d images of %s are committed", planned.images, of)
     return todo
+
+
+def refuse_committed(out_dir: Path, committed: Committed, planned: ShardPlan, manifest: Manifest, bad: list[BadRow],
+                     fields: dict[str, Any], output: OutputConfig) -> dict[str, str]:
+    """ResumeConflict for committed images of ids this job's manifest does not hold (another job's,
+    overwrite or not), and with output.on_conflict=error for committed batches that no longer match
+    the job; -> those batches (key -> why), for overwrite to clear."""
+    foreign = foreign_ids(committed, set(manifest.ids()) | {r.id for r in bad})
+    if foreign:
+        raise ResumeConflict(foreign_message(foreign, committed, out_dir))
+    conflicts = find_conflicts(planned.plan.batches, planned.mine, committed, fields, output.layout)
+    if conflicts and output.on_conflict == "error":
+        raise ResumeConflict(conflict_message(conflicts, out_dir))
+    return conflicts
 
 
 def overwrite(out_dir: Path, committed: Committed, keys: list[str], bad_ids: set[str]) -> None:
@@ -450,7 +484,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
         with logging_redirect_tqdm(), tqdm(total=sum(len(b.items) for b in todo), unit="img",
                                            disable=not runtime.progress) as bar:
             for batch in todo:
-                bar.set_postfix_str(f"{batch.height}x{batch.width} b{batch.bucket}")
+                bar.set_postfix_str(f"{size_label(batch.height, batch.width)} b{batch.bucket}")
                 busy.begin()
                 pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats)
                 busy.end()
@@ -504,15 +538,38 @@ def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
 
 def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool) -> None:
     """Merge when every shard is in; otherwise say which are missing. One summary line either way."""
-    images = report.images
     try:
         merged = merge(out_dir, shard.count)
         where = f"{out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
     except IncompleteError as err:
         where = str(err)
-    log.info(
-        "summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %.1f s wall; %s",
-        images.ok, images.failed, images.skipped, images.invalid, report.wall_s, where,
-    )
+    say_summary(report.images, report.wall_s, where)
     if contact_sheet:
         log.info("contact sheet: %s", write_contact_sheet(out_dir))
+
+
+@contextmanager
+def stopped_summary(stats: RunStats, progress: Callable[[], tuple[ShardPlan | None, list[Batch] | None]], invalid: int,
+                    out_dir: Path) -> Iterator[None]:
+    """A job stopped by a signal still ends with its summary line (then the CLI's line says how to
+    finish it). `progress`: the plan and the batches left as the job knows them when it stops."""
+    try:
+        yield
+    except Interrupted as stop:
+        planned, todo = progress()
+        images = planned.images if planned is not None else 0
+        left = images if todo is None else sum(len(b.items) for b in todo)
+        counts = stats.figures(planned=images, skipped=images - left, invalid=invalid)
+        say_summary(counts["images"], counts["wall_s"], f"stopped by {signal.Signals(stop.signum).name}, {out_dir} "
+                    "is not complete")
+        raise
+
+
+def say_summary(images: ImageCounts, job_wall_s: float, where: str) -> None:
+    """The job's last line. Its wall time runs from the process's start (start-up included), where the
+    system says when that was."""
+    since_start = process_age_s()
+    wall = (f"{since_start:.1f} s wall since the command started" if since_start is not None
+            else f"{job_wall_s:.1f} s wall since the job started")
+    log.info("summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %s; %s",
+             images.ok, images.failed, images.skipped, images.invalid, wall, where)

@@ -507,7 +507,7 @@ def _side_checker(
         if number % granularity:
             reasons.append(f"{name} {number} is not a multiple of {granularity}")
         if number > max_side:
-            reasons.append(f"{name} {number} is above the model's maximum {max_side}")
+            reasons.append(f"{name} {number} is above the model's maximum {max_side} (model.max_side)")
         return (None if reasons else number), reasons
 
     return check

@@ -7,8 +7,10 @@ included):
 3. A group of n items is split by `bcg.buckets.split_sizes`: full batches of the largest bucket,
    then the remainder covered at the least predicted cost, with that resolution's cost table
    (`costs[(h, w)]` where given, else `linear_costs(ladder, batch_overhead_rows)`).
-4. A batch's key is `f"{height}x{width}-{ordinal:06d}-b{bucket}"`, ordinal counting the batches of
+4. A batch's key is `f"{width}x{height}-{ordinal:06d}-b{bucket}"`, ordinal counting the batches of
    its resolution from 0.
+Resolutions are (height, width) tuples, as torch shapes are; wherever a user reads one it is
+`size_label`'s "width x height", as the manifest's columns say it.
 The batches follow from the row count per resolution alone (`plan_shapes`); `fill` gives them
 their items, so a process of a sharded job makes items for its own batches only.
 """
@@ -22,6 +24,11 @@ from typing import Iterable, Mapping, Sequence
 
 from bcg.buckets import linear_costs, parse_ladder, pick_bucket, split_sizes
 from pipeline.manifest import Item
+
+
+def size_label(height: int, width: int) -> str:
+    """"48x32" for 48 wide, 32 high: a resolution as logs, keys and stats name it."""
+    return f"{width}x{height}"
 
 
 @dataclass(frozen=True)
@@ -137,10 +144,10 @@ def plan_shapes(
         try:
             sizes = split_sizes(n, ladder, table)
         except ValueError as e:
-            raise ValueError(f"costs for resolution {h}x{w}: {e}") from e
+            raise ValueError(f"costs for resolution {size_label(h, w)}: {e}") from e
         start = 0
         for ordinal, (bucket, rows) in enumerate(sizes):
-            shapes.append(BatchShape(f"{h}x{w}-{ordinal:06d}-b{bucket}", h, w, bucket, start, rows))
+            shapes.append(BatchShape(f"{size_label(h, w)}-{ordinal:06d}-b{bucket}", h, w, bucket, start, rows))
             start += rows
         assert start == n, (h, w, start, n)
     return tuple(shapes)

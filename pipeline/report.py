@@ -142,7 +142,7 @@ class Report:
     images_per_s: float | None
     wall_images_per_s: float | None
     stage_s: dict[str, float]  # encode, noise, denoise, decode: device seconds summed over batches
-    per_resolution: dict[str, int]  # "HxW" -> images
+    per_resolution: dict[str, int]  # "WxH" (pipeline.planner.size_label) -> images
     batches_per_bucket: dict[str, int]
     ladder: list[int]
     scope: str

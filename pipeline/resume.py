@@ -28,6 +28,17 @@ class ResumeConflict(UserError):
     """Committed outputs disagree with the job; the message names the ids."""
 
 
+HEIGHT_FIRST = "its key names the size height x width"
+
+
+def height_first(key: str) -> str:
+    """A batch key with its size's sides swapped: "48x32-000001-b4" as versions before width x height
+    keys wrote it for the same batch (a square's is the same key)."""
+    size, rest = key.split("-", 1)
+    first, _, second = size.partition("x")
+    return f"{second}x{first}-{rest}"
+
+
 def foreign_ids(committed: Committed, manifest_ids: set[str]) -> dict[str, list[str]]:
     """Batch key -> its committed ids that are not in `manifest_ids`, for the batches that hold any:
     images of another job, which this one must not touch."""
@@ -55,7 +66,8 @@ def find_conflicts(plan_batches: Sequence, mine: Sequence[Batch], committed: Com
     conflicts = {}
     for key, found in committed.batches.items():
         if key not in planned:
-            conflicts[key] = f"batch not in the plan any more (ids {_ids(found.entry.ids)})"
+            conflicts[key] = (HEIGHT_FIRST if height_first(key) in planned
+                              else f"batch not in the plan any more (ids {_ids(found.entry.ids)})")
             continue
         batch = own.get(key)
         if batch is None:
@@ -84,6 +96,10 @@ def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) 
     if any("not in the plan" in why or "other ids" in why for why in conflicts.values()):
         lines.append("The plan changed: rows were added or removed, or bcg.ladder / bcg.batch_overhead_rows "
                      "differ from the run that committed these batches.")
+    if any(why == HEIGHT_FIRST for why in conflicts.values()):
+        lines.append("An earlier version of bcg-datagen committed these batches under keys that name the size height "
+                     "x width (keys name it width x height now, as the manifest does): output.on_conflict=overwrite "
+                     "generates them again under the new keys, from the same rows and settings.")
     if any("output.layout" in why for why in conflicts.values()):
         lines.append("output.layout changed: the committed shards are in another layout.")
     if any("settings" in why for why in conflicts.values()):

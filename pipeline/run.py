@@ -2,8 +2,9 @@
 
 `main` checks the command line before Hydra writes anything (unknown keys, groups and options,
 values of the wrong type; in a single run also the composed config: mandatory keys, accepted values,
-a writable output.dir), then hands it to Hydra, whose task function builds the typed config and
-calls `pipeline.job.run`. Torch and diffusers are imported only once all that has passed.
+a writable output.dir, and what the job would refuse before generating: `pipeline.preflight`), then
+hands it to Hydra, whose task function builds the typed config and calls `pipeline.job.run`. Torch
+and diffusers are imported only once the checks that need neither have passed.
 
 Every outcome a user can act on ends in one line and a status of `pipeline.exit_codes.ExitCode`
 (`--help` lists them); any other exception is a bug and keeps its traceback.
@@ -31,6 +32,7 @@ from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.overrides import check_overrides
 from pipeline.paths import CONF_DIR, absolute, check_writable_dir
+from pipeline.preflight import check_run
 
 log = logging.getLogger("pipeline")
 CONFIG_NAME = "config"
@@ -57,7 +59,7 @@ def main() -> None:
 
 def preflight(argv: list[str]) -> None:
     """Check the overrides; for a single run also compose the config and check it as the job will,
-    so that a mistake leaves no directory behind."""
+    so that a mistake leaves no directory behind (and no file in output.dir)."""
     args = get_args_parser().parse_args(argv)
     config_dirs = [CONF_DIR] + ([Path(args.config_dir)] if args.config_dir else [])
     check_overrides(args.overrides, config_dirs)
@@ -75,6 +77,7 @@ def preflight(argv: list[str]) -> None:
     job = resolve_job(cfg, cwd, run_dir)
     if run_dir != job.output.dir:
         check_writable_dir("hydra.run.dir", Path(run_dir))
+    check_run(job, OmegaConf.to_container(cfg, resolve=True))
 
 
 def compose_config(args) -> DictConfig:

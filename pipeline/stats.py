@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pipeline.planner import size_label
 from pipeline.report import ImageCounts
 from pipeline.startup import StartupClock
 
@@ -80,7 +81,7 @@ class RunStats:
         self.ok += ok
         self.failed += real - ok
         self.padded_rows += bucket - real
-        self.per_resolution[f"{height}x{width}"] += real
+        self.per_resolution[size_label(height, width)] += real
         self.per_bucket[str(bucket)] += 1
         self.stage_s.update(stages)
 

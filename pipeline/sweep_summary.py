@@ -1,5 +1,7 @@
 """One summary for a whole sweep: a row per job, from each job directory's stats.json and the
-overrides Hydra saved next to it, written as summary.md, summary.csv and summary.png.
+overrides Hydra saved next to it, written as summary.md, summary.csv and summary.png. summary.md
+ends with the verdict (pipeline/sweep_rank.py): which jobs made the same plan, whether CUDA graphs
+were on, the run-to-run spread, and which job is faster by more than it (if any).
 
 The SweepSummary callback writes it at the end of a multirun. By hand (say, after a sweep that
 stopped at a failed job):
@@ -23,20 +25,22 @@ from pipeline.exit_codes import ExitCode
 from pipeline.fsutil import atomic_write_bytes, atomic_write_text
 from pipeline.merge import STATS
 from pipeline.report import ReportError, RunReport
+from pipeline.sweep_rank import BEST, as_job, key_of, verdict
 
 OVERRIDES = Path(".hydra") / "overrides.yaml"
 FILES = {"md": "summary.md", "csv": "summary.csv", "png": "summary.png"}
 # Keys left out of a job's label: the overlay is the same for every job, the paths say nothing.
 UNLABELLED = ("job", "manifest.path", "output.dir")
 FIELDS = (
-    "best", "job", "status", "ladder", "scope", "images_ok", "images_per_s", "generate_s", "wall_s",
+    "best", "job", "status", "ladder", "plan", "graphs", "scope", "images_ok", "images_per_s", "generate_s", "wall_s",
     "padded_rows", "graph_pool_mib", "capture_s", "gpu_busy",
 )  # then one `<stage>_s` column per stage in the report's stage_s, then `note`
+HIDDEN = ("overrides", "plan_key", "graphs_off_reason")  # what the verdict reads, in no file
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory under `sweep_dir` (a directory holding `.hydra/overrides.yaml`;
-    Hydra nests it when an override has a `/`, as `bcg/ladder=...` does). A job without a readable
+    sweeps of earlier versions nested it where an override has a `/`). A job without a readable
     stats.json (missing, or not a report this version reads) is a row with status "failed" and the
     reason as its note."""
     job_dirs = sorted(p.parent.parent for p in Path(sweep_dir).rglob(str(OVERRIDES)))
@@ -45,7 +49,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for job_dir in job_dirs:
         report, note = read_report(job_dir / STATS)
         row = report_row(report) if report is not None else dict.fromkeys(FIELDS)
-        row.update(job=labels[job_dir], status="ok" if report is not None else "failed", note=note)
+        row.update(job=labels[job_dir], status="ok" if report is not None else "failed", note=note,
+                   overrides=read_overrides(job_dir))
         rows.append(row)
     return rows
 
@@ -64,6 +69,8 @@ def report_row(report: RunReport) -> dict[str, Any]:
     row = {
         "best": None,
         "ladder": ",".join(str(b) for b in report.ladder),
+        "plan": None,  # a letter per distinct plan, given with the verdict
+        "graphs": "on" if report.bcg.active else "off",
         "scope": report.scope,
         "images_ok": report.images.ok,
         "images_per_s": report.images_per_s,
@@ -73,6 +80,9 @@ def report_row(report: RunReport) -> dict[str, Any]:
         "graph_pool_mib": round(report.bcg.largest_pool_bytes / MIB, 2),
         "capture_s": report.bcg.capture_s,
         "gpu_busy": None if report.gpu_busy is None else report.gpu_busy.fraction,
+        "plan_key": (tuple(sorted(report.per_resolution.items())), tuple(sorted(report.batches_per_bucket.items())),
+                     report.padded_rows),
+        "graphs_off_reason": getattr(report.bcg, "reason", ""),  # several shards' totals keep no reason
     }
     row.update({f"{stage}_s": s for stage, s in report.stage_s.items()})
     return row
@@ -82,7 +92,7 @@ def job_labels(sweep_dir: Path, job_dirs: list[Path]) -> dict[Path, str]:
     """Each job's overrides, space-separated, without the UNLABELLED keys and, with several jobs,
     without those every job shares: what tells the jobs apart ("bcg/ladder=pow2_8"). A job with
     nothing left is named by its directory."""
-    overrides = {d: [o for o in read_overrides(d) if override_key(o) not in UNLABELLED] for d in job_dirs}
+    overrides = {d: [o for o in read_overrides(d) if key_of(o) not in UNLABELLED] for d in job_dirs}
     shared = set.intersection(*(set(o) for o in overrides.values())) if len(job_dirs) > 1 else set()
     return {
         d: " ".join(o for o in overrides[d] if o not in shared) or d.relative_to(sweep_dir).as_posix()
@@ -98,23 +108,17 @@ def read_overrides(job_dir: Path) -> list[str]:
     return [str(o) for o in overrides] if isinstance(overrides, list) else []
 
 
-def override_key(override: str) -> str:
-    """`+job=demo` -> `job`, `~bcg.lazy` -> `bcg.lazy`."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fastest first (jobs without images/s last, in their own order); the fastest marked best."""
-    speed = [r for r in rows if isinstance(r.get("images_per_s"), (int, float))]
-    rest = [r for r in rows if not isinstance(r.get("images_per_s"), (int, float))]
-    out = [dict(r, best="") for r in sorted(speed, key=lambda r: -r["images_per_s"]) + rest]
-    if speed:
-        out[0]["best"] = "best"
-    return out
+def ranked(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """(rows fastest first, jobs without images/s last in their own order, each with its verdict
+    mark and plan letter; the verdict's notes)."""
+    jobs = sorted(((row, job) for row in rows if (job := as_job(row)) is not None), key=lambda rj: -rj[1].images_per_s)
+    rest = [dict(row, best="") for row in rows if as_job(row) is None]
+    found = verdict([job for _, job in jobs])
+    return [dict(row, best=mark, plan=plan) for (row, _), mark, plan in zip(jobs, found.marks, found.plans)] + rest, found.notes
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
-    extra = [k for r in rows for k in r if k not in FIELDS and k != "note"]
+    extra = [k for r in rows for k in r if k not in FIELDS and k not in HIDDEN and k != "note"]
     return [*FIELDS, *dict.fromkeys(extra), "note"]
 
 
@@ -129,11 +133,12 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def to_markdown(rows: list[dict[str, Any]], cols: list[str]) -> str:
+def to_markdown(rows: list[dict[str, Any]], cols: list[str], notes: list[str]) -> str:
+    """The table, then the verdict's notes."""
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(cell(r.get(c)).replace("|", "\\|") for c in cols) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ([""] + [f"- {note}" for note in notes] if notes else [])) + "\n"
 
 
 def to_csv(rows: list[dict[str, Any]], cols: list[str]) -> str:
@@ -158,7 +163,7 @@ def to_png(rows: list[dict[str, Any]]) -> bytes:
     panels = fig.subplots(1, 2, sharey=True)
     for ax, key, title in zip(panels, ("images_per_s", "graph_pool_mib"), ("images/s", "graph memory (MiB)")):
         values = [r.get(key) if isinstance(r.get(key), (int, float)) else None for r in rows]
-        colors = ["tab:orange" if r.get("best") else "tab:blue" for r in rows]
+        colors = ["tab:orange" if r.get("best") == BEST else "tab:blue" for r in rows]
         widths = [v or 0 for v in values]
         bars = ax.barh(range(len(rows)), widths, color=colors)
         ax.bar_label(bars, labels=["n/a" if v is None else cell(float(v)) for v in values], padding=3)
@@ -174,10 +179,10 @@ def to_png(rows: list[dict[str, Any]]) -> bytes:
 def write_summary(rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
     """Write summary.md, summary.csv and summary.png into `out_dir` (each complete or absent);
     returns their paths by kind ("md", "csv", "png")."""
-    rows = ranked(rows)
+    rows, notes = ranked(rows)
     cols = columns(rows)
     paths = {kind: Path(out_dir) / name for kind, name in FILES.items()}
-    atomic_write_text(paths["md"], to_markdown(rows, cols))
+    atomic_write_text(paths["md"], to_markdown(rows, cols, notes))
     atomic_write_text(paths["csv"], to_csv(rows, cols))
     atomic_write_bytes(paths["png"], to_png(rows))
     return paths

@@ -77,6 +77,19 @@ def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return run_python("-m", "pipeline.run", *args, cwd=cwd)
 
 
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused command prints (`-X importtime`'s lines aside), no traceback."""
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def imported(proc: subprocess.CompletedProcess) -> set[str]:
+    """Top-level packages a `python -X importtime` run imported."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
 def run_benchmark(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """benchmarks/<script> run as a user runs it (a script is run, never imported by a test)."""
     return run_python(str(REPO / "benchmarks" / script), *args, timeout=timeout)

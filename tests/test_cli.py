@@ -17,27 +17,16 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO, rows, run_cli, run_python, write_manifest
+from conftest import REPO, imported, one_error_line, rows, run_cli, run_python, write_manifest
 from pipeline.config import resolve_job
 from pipeline.exit_codes import README_BEGIN, README_END, ExitCode
 from pipeline.overrides import check_overrides
 from pipeline import paths
 from pipeline.paths import CONF_DIR, check_writable_dir
+from pipeline.preflight import torch_version_module
 from pipeline.run import user_outcome
 
 TINY_CPU = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", "sampler.steps=2")
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
-    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    return lines[0]
-
-
-def imported(proc: subprocess.CompletedProcess) -> set[str]:
-    """Top-level packages a `python -X importtime` run imported."""
-    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
-            if line.startswith("import time:") and "|" in line}
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -102,6 +91,46 @@ def test_a_manifest_that_is_not_there_or_not_parquet_fails_before_any_heavy_impo
     assert one_error_line(proc).startswith(f"error: manifest {tmp_path / name}: {problem}")
     assert not imported(proc) & {"torch", "diffusers", "transformers"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ([name] if content is not None else [])  # no outputs/<date>
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("bcg.ladder=[1,3,0]", "bcg.ladder=[1, 3, 0] is not accepted: 0 is not a bucket; buckets must be integers >= 1"),
+    ("runtime.device=cuda", "runtime.device=cuda, but the installed torch {torch} is a CPU-only build; use "
+                            "runtime.device=auto or cpu, or install a CUDA build of torch"),
+])
+def test_a_bad_ladder_or_a_device_torch_lacks_is_refused_before_torch_leaving_nothing(tmp_path, override, message):
+    build = torch_version_module()
+    if "device" in override and (build.cuda or build.hip):
+        pytest.skip("this torch is built for a GPU: the job asks torch whether one is there")
+    write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
+    proc = run_python("-X", "importtime", "-m", "pipeline.run", "+job=dataset", "manifest.path=m.parquet",
+                      "output.dir=out", override, cwd=tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR
+    assert one_error_line(proc) == "error: " + message.format(torch=build.__version__)
+    assert not imported(proc) & {"torch", "diffusers", "transformers"}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.parquet"]
+
+
+@pytest.mark.slow
+def test_bad_rows_and_conflicts_are_refused_before_hydra_writes_into_output_dir(tmp_path):
+    """The checks that need the model's limits and labels run before Hydra creates output.dir's
+    .hydra/ and run.log, and the size limit names its key."""
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 512, 64, 2)))
+    job = ("+job=dataset", "manifest.path=m.parquet", "output.dir=out", *TINY_CPU)
+    bad = run_cli(*job, cwd=tmp_path)
+    assert bad.returncode == ExitCode.USER_ERROR and "Traceback" not in bad.stdout + bad.stderr
+    assert bad.stderr.splitlines()[:2] == [f"error: {manifest} has 1 bad row(s):",
+                                           "  row 1 (id 'b'): width 512 is above the model's maximum 256 (model.max_side)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m.parquet"]
+    write_manifest(manifest, rows(("a", 64, 64, 1)))
+    assert run_cli(*job, cwd=tmp_path).returncode == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    write_manifest(manifest, rows(("a", 64, 64, 99)))
+    conflict = run_cli(*job, cwd=tmp_path)
+    assert conflict.returncode == ExitCode.USER_ERROR and "Traceback" not in conflict.stdout + conflict.stderr
+    assert conflict.stderr.startswith(f"error: {tmp_path / 'out'} holds 1 committed batch(es) that do not match")
+    assert "id 'a': seed changed" in conflict.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before  # run.log untouched
 
 
 def test_an_output_dir_that_cannot_be_created_is_refused_before_anything_is_written(tmp_path):
@@ -207,10 +236,30 @@ def test_without_output_dir_the_job_writes_to_hydras_run_directory(tmp_path):
     assert resolve_job(cfg, tmp_path, tmp_path / "outputs/run").output.dir == str(tmp_path / "outputs/run")
 
 
+CRON = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}  # what cron gives a job: `env -i` and these
+
+
+def test_nightly_wrapper_under_crons_environment_says_in_one_line_how_to_set_its_python(tmp_path):
+    if any((REPO / venv / "bin/python").exists() for venv in (".venv", "venv")):
+        pytest.skip("this checkout holds a virtual environment, which the wrapper runs")
+    bare = tmp_path / "bin/python3"  # first on cron's PATH: a python without the package's requirements
+    bare.parent.mkdir()
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    cron = dict(CRON, PATH=f"{bare.parent}:{CRON['PATH']}")
+    proc = subprocess.run([str(REPO / "jobs/nightly.sh"), "manifest.path=prompts.parquet"], cwd=tmp_path, env=cron,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == ExitCode.USER_ERROR and "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr == (f"error: {bare} (from PATH={cron['PATH']}) has no hydra, omegaconf, pyarrow, torch, diffusers, "
+                           "transformers: bcg-datagen is not installed for it; set BCG_PYTHON to the python you "
+                           "installed bcg-datagen with (e.g. BCG_PYTHON=/path/to/venv/bin/python in the crontab line)\n")
+    assert re.fullmatch(r"nightly \S+ \S+: exit 2\n", proc.stdout) and [p.name for p in tmp_path.iterdir()] == ["bin"]
+
+
 @pytest.mark.slow
-def test_nightly_wrapper_runs_in_the_callers_directory(tmp_path):
+def test_nightly_wrapper_runs_in_the_callers_directory_under_crons_environment(tmp_path):
     write_manifest(tmp_path / "prompts.parquet", rows(("a", 64, 64, 1)))
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # its python3
+    env = dict(CRON, BCG_PYTHON=sys.executable)  # as the crontab line sets it
     proc = subprocess.run([str(REPO / "jobs/nightly.sh"), "manifest.path=prompts.parquet", "model=tiny", *TINY_CPU],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,10 +1,11 @@
-"""The shipped demo model (jobs/models/digits) draws the digit its prompt asks for.
+"""The shipped demo model (jobs/models/digits) draws the digit its prompt asks for, at every size
+a manifest may ask of it.
 
-60 digits, six of each class, over mixed sizes and phrasings with fixed seeds, generated on the
-CPU through `pipeline.job.run` exactly as a user runs it; an SVC classifier trained
-only on the held-out digits that the generator never saw (pipeline/demo.py's split) must read
-the requested digit in at least MIN_ACCURACY of them. Also: the demo job itself, with its contact
-sheet.
+72 digits, two at each of the 36 sizes the model accepts (each side a multiple of 8 up to 48 px),
+the classes and phrasings rotating, with fixed seeds, generated on the CPU through `pipeline.job.run`
+exactly as a user runs it; an SVC classifier trained only on the held-out digits that the generator
+never saw (pipeline/demo.py's split) must read the requested digit in at least MIN_ACCURACY of them.
+Also: the demo job itself, with its contact sheet.
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ from pipeline.writer import SHARDS_DIR
 
 MODEL = ("model=digits", f"model.path={REPO / 'jobs' / 'models' / 'digits'}")
 STEPS, GUIDANCE = 15, 4.5
-PER_CLASS = 6
+PER_SIZE = 2
 MIN_ACCURACY = 0.9
 
 
 def digit_rows() -> list[dict]:
-    """Six rows per digit (label k mod 10); the sizes and phrasings rotate so that every digit is
-    asked for at six sizes in six phrasings."""
+    """Two rows per size (SIZES: every size the model accepts); the digit (k mod 10) and the
+    phrasing rotate, so that each digit is asked for at seven or eight sizes, in several phrasings."""
     out = []
-    for k in range(10 * PER_CLASS):
-        label, turn = k % 10, k // 10
-        height, width = SIZES[(label + turn) % len(SIZES)]
-        prompt = PHRASINGS[(label + turn) % len(PHRASINGS)].format(d=label, w=WORDS[label])
+    for k in range(PER_SIZE * len(SIZES)):
+        height, width = SIZES[k % len(SIZES)]
+        label = k % 10
+        prompt = PHRASINGS[k % len(PHRASINGS)].format(d=label, w=WORDS[label])
         out.append(dict(id=f"k{k:02d}", prompt=prompt, width=width, height=height, seed=1000 + k, label=label))
     return out
 
@@ -53,7 +54,9 @@ def test_the_demo_model_draws_the_requested_digit(tmp_path):
     wanted = np.array([r["label"] for r in rows])
     accuracy = float((predicted == wanted).mean())
     wrong = Counter(int(w) for w, p in zip(wanted, predicted) if w != p)
-    print(f"digits read right: {accuracy:.3f}; misread per class: {dict(sorted(wrong.items()))}")
+    sizes = Counter(f"{r['width']}x{r['height']}" for r, p in zip(rows, predicted) if r["label"] != p)
+    print(f"digits read right: {accuracy:.3f} ({int((predicted == wanted).sum())} of {len(rows)}); misread per class: "
+          f"{dict(sorted(wrong.items()))}, per size (WxH): {dict(sorted(sizes.items()))}")
     assert accuracy >= MIN_ACCURACY, f"accuracy {accuracy:.2f}; misread per class: {dict(sorted(wrong.items()))}"
 
 
@@ -78,9 +81,12 @@ def test_contact_sheet_grid_holds_every_image(n):
         contact_sheet(images[:1] * 2, ["x"])
 
 
-def test_digits_limits_come_from_the_shipped_directory():
+def test_digits_limits_come_from_the_shipped_directory_and_are_the_sizes_it_is_trained_and_checked_at():
     cfg = job_config(*MODEL, "manifest.path=m", "output.dir=o").model
-    assert model_limits(cfg) == (8, 48)
+    granularity, max_side = model_limits(cfg)
+    assert (granularity, max_side) == (8, 48)
+    accepted = {(h, w) for h in range(granularity, max_side + 1, granularity) for w in range(granularity, max_side + 1, granularity)}
+    assert set(SIZES) == accepted == {(r["height"], r["width"]) for r in digit_rows()}
 
 
 @pytest.mark.cuda

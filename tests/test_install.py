@@ -5,11 +5,14 @@ dependencies (torch, diffusers, ...) are this interpreter's own, seen through a 
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import site
 import subprocess
 import sys
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,25 @@ def test_installed_console_command_runs_the_demo_from_any_directory_and_resumes(
     assert len(list((work / "outputs/demo/images").glob("*.png"))) == 12
     again = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr, again.stderr[-3000:]
+
+
+def reading_code(page: Path) -> str:
+    """The Python block of `page` that reads a job's outputs."""
+    return next(b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S) if "load_dataset" in b)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="reads pyproject.toml with tomllib")
+@pytest.mark.parametrize("page", ["README.md", "docs/outputs.md"])
+def test_the_reading_code_needs_only_the_package_and_the_readers_extra_it_names(page):
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    name = lambda requirement: re.match(r"[\w.-]+", requirement)[0].lower().replace("_", "-")  # noqa: E731
+    offered = {name(r) for r in project["dependencies"] + project["optional-dependencies"]["readers"]}
+    code = reading_code(REPO / page)
+    modules = {alias.name.split(".")[0] for node in ast.walk(ast.parse(code))
+               if isinstance(node, (ast.Import, ast.ImportFrom))
+               for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])}
+    needed = {name(dist) for m in modules - set(sys.stdlib_module_names) for dist in packages_distributions()[m]}
+    assert needed == {"datasets", "webdataset", "pyarrow"} and needed <= offered
+    assert "pip install -e '.[readers]'" in (code if page == "README.md" else (REPO / page).read_text())

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import cpu_job, png, rows, run_cli, write_manifest
+from conftest import cpu_job, png, rows, write_manifest
 from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.manifest import ManifestError
@@ -119,33 +119,6 @@ def test_skip_writes_errors_and_generates_the_rest(tmp_path):
     assert [e["id"] for e in errors] == ["odd-size"] and "65" in errors[0]["reason"]
     assert sorted(p.name for p in (tmp_path / "out/images").iterdir()) == ["ok.png", "ok2.png"]
     assert report["images"]["invalid"] == 1 and report["images"]["ok"] == 2
-
-
-def test_cli_bad_manifest_exits_nonzero_with_one_message_and_no_traceback(tmp_path):
-    manifest = write_manifest(tmp_path / "m.parquet", rows(("a/b", 64, 64, 1), ("c", 64, 64, 2), ("c", 64, 64, 3)))
-    proc = run_cli("+job=dataset", f"manifest.path={manifest}", f"output.dir={tmp_path / 'out'}", "runtime.device=cpu")
-    assert proc.returncode == 2, proc.stderr
-    text = proc.stdout + proc.stderr
-    assert "Traceback" not in text
-    assert "row 0" in text and "duplicate" in text and "row 2" in text
-    assert not (tmp_path / "out" / "images").exists()
-
-
-def test_cli_multirun_over_two_ladders_writes_two_complete_runs(tmp_path):
-    manifest = write_manifest(
-        tmp_path / "m.parquet", rows(*[(f"i{k}", 64, 64, k) for k in range(3)], ("w", 96, 64, 9))
-    )
-    proc = run_cli(
-        "-m", "+job=dataset", f"manifest.path={manifest}", "bcg/ladder=pow2_8,one_8", "precision=fp32",
-        "sampler.steps=2", "runtime.device=cpu", "runtime.progress=false", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("_SUCCESS"))
-    assert len(runs) == 2
-    ladders = sorted(json.loads((r / "stats.json").read_text())["ladder"] for r in runs)
-    assert ladders == [[1, 2, 4, 8], [1, 8]]
-    for r in runs:
-        assert len(list((r / "images").iterdir())) == 4
 
 
 def test_cuda_absent_means_eager_with_the_reason_in_stats(demo_run):

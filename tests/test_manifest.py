@@ -157,10 +157,10 @@ ROW_CASES = [
     ("width", 0, pa.int64(), ["width 0 is not positive"], "dog_02"),
     ("width", -16, pa.int32(), ["width -16 is not positive"], "dog_02"),
     ("width", 100, pa.int64(), ["width 100 is not a multiple of 16"], "dog_02"),
-    ("width", 4096, pa.int64(), ["width 4096 is above the model's maximum 2048"], "dog_02"),
+    ("width", 4096, pa.int64(), ["width 4096 is above the model's maximum 2048 (model.max_side)"], "dog_02"),
     ("height", None, pa.int64(), ["height is missing"], "dog_02"),
     ("height", 100.0, pa.float32(), ["height 100 is not a multiple of 16"], "dog_02"),
-    ("height", 4096, pa.int64(), ["height 4096 is above the model's maximum 2048"], "dog_02"),
+    ("height", 4096, pa.int64(), ["height 4096 is above the model's maximum 2048 (model.max_side)"], "dog_02"),
 ]
 
 
@@ -223,8 +223,8 @@ def test_a_row_reports_all_its_reasons_in_column_order(tmp_path: Path) -> None:
                 "id 'a/b' contains a path separator ('/' or '\\'), not allowed in a file name",
                 "prompt is empty",
                 "width 2050 is not a multiple of 16",
-                "width 2050 is above the model's maximum 2048",
-                "height 4096 is above the model's maximum 2048",
+                "width 2050 is above the model's maximum 2048 (model.max_side)",
+                "height 4096 is above the model's maximum 2048 (model.max_side)",
                 "seed -1 is negative (accepted: 0 to 2**63-1)",
             ),
         )

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import cpu_job, rows, run_cli, write_manifest
+from conftest import cpu_job, imported, one_error_line, rows, run_python, write_manifest
 from pipeline import job as job_module
 from pipeline.contact_sheet import CONTACT_SHEET
 from pipeline.denoise import Denoiser
@@ -135,17 +135,18 @@ def test_a_shard_runs_while_another_shard_of_its_job_holds_the_directory(tmp_pat
     assert report["images"]["ok"] == 2 and not (out / "_SUCCESS").exists()
 
 
-def test_a_job_with_another_shard_count_is_refused_in_one_line(tmp_path):
+def test_a_job_with_another_shard_count_is_refused_in_one_line_before_torch_leaving_nothing(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))
     out = tmp_path / "out"
     with JobLock(out, ShardSpec(0, 2)):  # held by this process: the CLI's is another one
-        proc = run_cli("+job=dataset", f"manifest.path={manifest}", f"output.dir={out}", "runtime.device=cpu",
-                       "precision=fp32", cwd=tmp_path)
+        locks = sorted(p.name for p in out.iterdir())
+        proc = run_python("-X", "importtime", "-m", "pipeline.run", "+job=dataset", f"manifest.path={manifest}",
+                          f"output.dir={out}", "runtime.device=cpu", "precision=fp32", cwd=tmp_path)
     assert proc.returncode == ExitCode.USER_ERROR, proc.stderr[-3000:]
-    text = proc.stdout + proc.stderr
-    refused = [line for line in text.splitlines() if "ERROR" in line]
-    assert len(refused) == 1 and f"a job with shard.count=2: pid {os.getpid()}" in refused[0], text[-3000:]
-    assert "Traceback" not in text and not (out / "images").exists()
+    line = one_error_line(proc)
+    assert line.startswith(f"error: {out} is being written by a job with shard.count=2: pid {os.getpid()}"), line
+    assert not imported(proc) & {"torch", "diffusers"}
+    assert sorted(p.name for p in out.iterdir()) == locks  # no .hydra/, no run.log
 
 
 # ---- checks before the model ------------------------------------------------------------------

@@ -45,13 +45,13 @@ def test_mixed_resolutions_example():
     plan = make_plan(items, [8, 4, 2, 1], batch_overhead_rows=1.0)
 
     # 256x256 first (3 items: 2+1 ties 4 on cost, fewer padded rows wins), then 512x512 (10 = 8 + 2),
-    # then 512x768 (height 512, width 768) as one batch of 1.
+    # then 768 wide, 512 high as one batch of 1 (keys name a size width x height).
     assert [b.key for b in plan.batches] == [
         "256x256-000000-b2",
         "256x256-000001-b1",
         "512x512-000000-b8",
         "512x512-000001-b2",
-        "512x768-000000-b1",
+        "768x512-000000-b1",
     ]
     assert ids(plan.batches[0]) == ["img-00010", "img-00011"]
     assert ids(plan.batches[3]) == ["img-00008", "img-00009"]
@@ -173,7 +173,7 @@ def test_plan_properties(inputs):
     for h, w in plan.resolutions():
         group = [b for b in plan.batches if (b.height, b.width) == (h, w)]
         # Keys count the batches of a resolution from 0.
-        assert [b.key for b in group] == [f"{h}x{w}-{i:06d}-b{b.bucket}" for i, b in enumerate(group)]
+        assert [b.key for b in group] == [f"{w}x{h}-{i:06d}-b{b.bucket}" for i, b in enumerate(group)]
         # Manifest order within the group, across batches.
         rows = [it.row for b in group for it in b.items]
         assert rows == sorted(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from conftest import REPO, cpu_job, rows, write_manifest
 from pipeline import job as job_module
+from pipeline import planner
 from pipeline import writer as writer_module
 from pipeline.guard import JobLock, LockedError
 from pipeline.job import run
@@ -69,13 +71,23 @@ def test_stopped_job_finishes_when_run_again_with_identical_images(uninterrupted
     proc = cli(manifest, out)
     wait_for_batches(out, 3, proc)
     proc.send_signal(sig)
-    assert proc.wait(timeout=120) == code, proc.communicate()
+    stopped = "".join(proc.communicate(timeout=120))
+    assert proc.returncode == code, stopped
     first = committed_ids(out)
     assert 3 <= len(first) < len(MANY) and not (out / "_SUCCESS").exists()
+    if sig != signal.SIGKILL:  # the job's own last line, then the CLI's
+        summary = re.search(r"summary: (\d+) done, .* s wall since the command started; stopped by (\w+), ", stopped)
+        assert summary and summary[2] == signal.Signals(sig).name, stopped[-3000:]
+        assert int(summary[1]) == len(first)  # this run committed them all: none was skipped
+    began = time.monotonic()
     again = cli(manifest, out)
     stdout, stderr = again.communicate(timeout=300)
+    real_s = time.monotonic() - began
     assert again.returncode == 0, stderr
     assert f"{len(first)} skipped" in stdout + stderr
+    wall = float(re.search(r"summary: .* ([\d.]+) s wall since the command started;", stdout + stderr)[1])
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["startup_s"]["imports"] + stats["wall_s"] - 0.1 <= wall <= real_s + 0.1  # start-up included
     assert committed_ids(out) == sorted(r["id"] for r in MANY)  # every id exactly once
     assert not visible_tmp(out)
     for image in (whole / "images").iterdir():
@@ -115,6 +127,24 @@ def test_changed_manifest_row_is_refused_by_id_unless_overwrite(tmp_path):
     assert report["images"]["ok"] == 2  # a and b shared one batch: both regenerated
     table = pq.read_table(tmp_path / "out" / "shards").to_pylist()
     assert {r["id"]: r["seed"] for r in table} == {"a": 1, "b": 99}
+
+
+def test_an_output_whose_keys_put_the_height_first_is_named_and_overwrite_redoes_only_those(tmp_path, monkeypatch):
+    """Batch keys name a size width x height; earlier versions wrote height x width: a square's
+    key is the same, another's is a conflict that says so."""
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("sq", 64, 64, 1), ("wide", 96, 64, 2)))
+    monkeypatch.setattr(planner, "size_label", lambda height, width: f"{height}x{width}")  # as they keyed batches
+    run(cpu_job(manifest, tmp_path / "out"))
+    monkeypatch.undo()
+    with pytest.raises(ResumeConflict) as refused:
+        run(cpu_job(manifest, tmp_path / "out"))
+    lines = str(refused.value).splitlines()
+    assert lines[1] == "  64x96-000000-b1: its key names the size height x width"
+    assert "An earlier version of bcg-datagen committed these batches" in lines[2] and len(lines) == 4
+    report = run(cpu_job(manifest, tmp_path / "out", "output.on_conflict=overwrite"))
+    assert (report["images"]["ok"], report["images"]["skipped"], report["per_resolution"]) == (1, 1, {"96x64": 1})
+    table = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert sorted(r["batch_key"] for r in table) == ["64x64-000000-b1", "96x64-000000-b1"]  # the square batch kept
 
 
 def test_changed_settings_are_a_conflict_but_a_null_negative_prompt_equals_empty(tmp_path):

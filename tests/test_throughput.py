@@ -10,7 +10,7 @@ import pytest
 
 from conftest import cpu_job, rows, write_manifest
 from pipeline.bench import BENCH, run_bench
-from pipeline.calibrate import SAVED
+from pipeline.calibrate import SAVED, load_choice, save_choice
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.manifest import ManifestError
@@ -36,12 +36,13 @@ def test_auto_ladder_is_chosen_saved_and_reused(tmp_path, manifest, scope):
     assert report["images"]["ok"] == 7
     assert set(auto["chosen"]) <= {1, 2, 4} and report["ladder"] == auto["chosen"]
     assert auto["predicted_denoise_s"] > 0 and auto["measured_denoise_s"] > 0
-    assert set(auto["step_s"]) == {f"{h}x{w}-b{b}" for h, w in ((64, 64), (64, 128)) for b in (1, 2, 4)}
+    assert set(auto["step_s"]) == {f"{w}x{h}-b{b}" for h, w in ((64, 64), (64, 128)) for b in (1, 2, 4)}
     best = auto["options"][0]
     assert best["ladder"] == auto["chosen"]
     # the job runs the plan that was predicted: the measured step times are the planner's costs
     assert (report["batches"], report["padded_rows"]) == (best["batches"], best["padded_rows"])
-    assert json.loads((out / SAVED).read_text())["ladder"] == auto["chosen"]
+    saved = json.loads((out / SAVED).read_text())
+    assert saved["ladder"] == auto["chosen"] and set(saved["costs"]) == {"64x64", "128x64"}  # width x height
     for done in (out / "parts").glob("*.json"):  # as if the process died after its last commit: the job runs again
         done.unlink()
     again = run(cpu_job(manifest, out, *AUTO, f"bcg.scope={scope}"))  # resumed: the saved ladder, same plan
@@ -64,6 +65,15 @@ def test_auto_ladder_choice_is_checked_before_it_is_reused(tmp_path, manifest, c
     assert report["ladder_auto"] is not None and "calibrating again" in caplog.text
     with pytest.raises(UserError, match="at most 8 sizes"):  # refused before any model or calibration
         run(cpu_job(manifest, tmp_path / "other", "bcg.ladder=auto", "bcg.auto_sizes=[1,2,3,4,5,6,7,8,9]"))
+
+
+def test_a_ladder_choice_saved_with_sizes_height_first_reads_as_it_was_saved(tmp_path):
+    """ladder.json before version 2 named a size height x width; the same costs read back either way."""
+    (tmp_path / SAVED).write_text(json.dumps({"ladder": [1], "fingerprint": "f", "costs": {"64x128": {"1": 0.5}}}))
+    assert load_choice(tmp_path, "f").costs == {(64, 128): {1: 0.5}}
+    save_choice(tmp_path, {(64, 128): {1: 0.5}}, "f", {"chosen": [1]})
+    assert json.loads((tmp_path / SAVED).read_text())["costs"] == {"128x64": {"1": 0.5}}
+    assert load_choice(tmp_path, "f").costs == {(64, 128): {1: 0.5}}
 
 
 def test_auto_ladder_with_no_valid_row_finishes_like_any_ladder(tmp_path):
