@@ -93,6 +93,15 @@ def missing_shards(parts: list[PartReport]) -> list[int] | None:
     return sorted(set(range(count)) - {p.shard.index for p in parts})
 
 
+def check_complete(parts: list[PartReport], where: Path | str) -> None:
+    """IncompleteError naming `where` and the shards with no part yet, unless every shard has one."""
+    missing = missing_shards(parts)
+    if missing is None:
+        raise IncompleteError(f"{where}: no shard has completed yet (no {PARTS_DIR}/shard-*.json)")
+    if missing:
+        raise IncompleteError(f"{where}: {len(missing)} of {parts[0].shard.count} shards not complete yet: {missing}")
+
+
 def merge_stats(parts: list[PartReport], status: Counter, output: OutputReport | None = None) -> RunReport:
     """Run-level stats. `images.ok` / `failed` count the committed rows on disk (the dataset, over
     every run that added to it); `generated` what the last run of each shard made. With several
@@ -137,12 +146,7 @@ def merge(out_dir: Path, count: int | None = None) -> RunReport:
     """Write stats.json then _SUCCESS if every shard is complete; IncompleteError otherwise.
     `count`: the job's shard.count (parts of a job with another count are ignored)."""
     parts = read_parts(out_dir, count)
-    missing = missing_shards(parts)
-    if missing is None:
-        raise IncompleteError(f"{out_dir}: no shard has completed yet (no {PARTS_DIR}/shard-*.json)")
-    if missing:
-        count = parts[0].shard.count
-        raise IncompleteError(f"{out_dir}: {len(missing)} of {count} shards not complete yet: {missing}")
+    check_complete(parts, out_dir)
     committed = read_committed(out_dir)
     merged = merge_stats(parts, committed_status(committed), committed_output(committed))
     write_failed(out_dir, committed)

@@ -39,6 +39,12 @@ class ImageCounts:
     generated: int  # made by this run (stats.json: by the last run of each shard)
 
 
+def summary_line(ok: int, failed: int, skipped: int, invalid: int, wall_s: float, where: str) -> str:
+    """The one line every job ends with (a Ray driver's: over its shards)."""
+    return (f"summary: {ok} done, {failed} failed, {skipped} skipped (committed earlier), {invalid} invalid rows, "
+            f"{wall_s:.1f} s wall; {where}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardInfo:
     index: int
