@@ -51,8 +51,8 @@ def run_on_ray(job: JobConfig, resolved: dict[str, Any]) -> None:
         check_resources(ray, job.cluster, own_cluster)
         if count == 1:
             log.warning("cluster=ray with shard.count=1 runs one task: set shard.count to the GPUs to use")
-        task = ray.remote(shard_task).options(num_gpus=job.cluster.gpus_per_shard, num_cpus=job.cluster.cpus_per_shard,
-                                               max_retries=job.cluster.max_retries, retry_exceptions=False)
+        task = ray.remote(num_gpus=job.cluster.gpus_per_shard, num_cpus=job.cluster.cpus_per_shard,
+                          max_retries=job.cluster.max_retries, retry_exceptions=False)(shard_task)
         pending = {task.options(name=f"bcg-datagen {ShardSpec(i, count).name}").remote(
             shard_job(job, i), shard_config(resolved, i)): i for i in range(count)}
         log.info("ray: %d shard tasks submitted to %s (%g GPU, %g CPU each)", count,

@@ -67,22 +67,33 @@ class Mirror:
         self.local.mkdir(parents=True)
         pulled = 0
         for rel in _resume_files(self.listing()):
-            target = self.local / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
+            if self.fetch(rel, self.local):
+                self.synced[rel] = _stat(self.local / rel)
+                pulled += 1
+        return pulled
+
+    def fetch(self, rel: str, into: Path) -> bool:
+        """The store's `rel` under `into` (a shard file as its index and rows); False if it went
+        away since the listing: another shard's staged batch now in a shard file, or a part its
+        shard is making again (this shard's own files change only under its lock)."""
+        target = _parent(into / rel)
+        try:
             if _is_shard(rel):
                 copy_index_and_rows(self.fs, f"{self.root}/{rel}", target)
             else:
                 download(self.fs, f"{self.root}/{rel}", target)
-            self.synced[rel] = _stat(target)
-            pulled += 1
-        return pulled
+        except FileNotFoundError:
+            return False
+        return True
 
     def listing(self) -> list[str]:
         """Every object under the store directory, as paths relative to it."""
         self.fs.invalidate_cache(self.root)
         if not self.fs.exists(self.root):
             return []
-        return sorted(p[len(self.root) + 1:] for p in self.fs.find(self.root))
+        found = sorted(p[len(self.root) + 1:] for p in self.fs.find(self.root))
+        self.fs.invalidate_cache(self.root)  # each read asks the store, not this listing
+        return found
 
     # ---- while the job runs: uploads -----------------------------------------------------------
 
@@ -117,13 +128,23 @@ class Mirror:
         with self._lock:
             present = dict(_local_files(self.local))
             for rel in (r for r in sorted(present, key=_rank) if r not in RUN_LEVEL):
-                if self.synced.get(rel) != present[rel]:
-                    self.fs.put_file(str(self.local / rel), f"{self.root}/{rel}")
+                if self.synced.get(rel) != present[rel] and self._upload(rel):
                     self.synced[rel] = present[rel]
-                    self.uploaded += 1
             for rel in sorted(self._gone - set(present), key=_rank):
                 self._remove(rel)
             self._gone = {rel for rel in self.synced if rel not in present}
+
+    def _upload(self, rel: str) -> bool:
+        """False if the file went away since the listing (a staged batch now in its shard file,
+        which the next sync uploads)."""
+        try:
+            self.fs.put_file(str(self.local / rel), f"{self.root}/{rel}")
+        except FileNotFoundError as err:
+            if Path(err.filename or "") != self.local / rel:
+                raise
+            return False
+        self.uploaded += 1
+        return True
 
     def _remove(self, rel: str) -> None:
         try:
@@ -149,10 +170,10 @@ class Mirror:
     def _merge_in(self, view: Path, count: int | None) -> RunReport:
         listing = self.listing()
         for rel in (r for r in listing if r.startswith(f"{PARTS_DIR}/") or r == CARD):
-            download(self.fs, f"{self.root}/{rel}", _parent(view / rel))  # a card not ours is kept as it is
+            self.fetch(rel, view)  # a card not ours is kept as it is
         check_complete(read_parts(view, count), self.url)
         for rel in (r for r in listing if _is_shard(r)):
-            copy_index_and_rows(self.fs, f"{self.root}/{rel}", _parent(view / rel))
+            self.fetch(rel, view)
         merged = merge(view, count)
         for name in RUN_LEVEL:
             if (view / name).is_file():
