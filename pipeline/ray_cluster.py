@@ -31,6 +31,7 @@ from pipeline.store_lock import LEASE_S, SETTLE_S
 
 log = logging.getLogger(__name__)
 
+CANCEL_WAIT_S = 120  # for cancelled tasks to upload what they committed, before a cluster of ours stops
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as the driver logs
 
 
@@ -110,7 +111,7 @@ def shard_task(job: JobConfig, resolved: dict[str, Any]) -> dict[str, Any]:
 
 def wait_all(ray, pending: dict[Any, int]) -> list[dict[str, Any]]:
     """Each task's part, logged as it ends; the first task error (its cause, for a user error or a
-    failed write) after the other tasks are cancelled."""
+    failed write), or Ctrl-C, once the other tasks are cancelled and have ended."""
     parts: list[dict[str, Any]] = []
     count = len(pending)
     try:
@@ -124,8 +125,9 @@ def wait_all(ray, pending: dict[Any, int]) -> list[dict[str, Any]]:
                      ShardSpec(index, count).name, part["wall_s"], images["ok"], images["failed"], images["skipped"],
                      len(parts), count)
     except BaseException:
-        for ref in pending:
+        for ref in pending:  # each stops where it is; what it committed is uploaded as it ends
             ray.cancel(ref)
+        ray.wait(list(pending), num_returns=len(pending), timeout=CANCEL_WAIT_S)
         raise
     return parts
 

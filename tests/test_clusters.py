@@ -7,6 +7,7 @@ environment, as they would on a real cluster."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ def s3(tmp_path, monkeypatch):
     filesystem. Stopped when the test ends."""
     server_module = pytest.importorskip("moto.server", reason="the test extra (moto[server])")
     s3fs = pytest.importorskip("s3fs", reason="the test extra (s3fs)")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
