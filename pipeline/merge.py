@@ -5,7 +5,7 @@
 Each process writes `parts/shard-<i>-of-<n>.json` (its own stats) when its batches are committed;
 the last one to finish merges. By hand, or after a Slurm array:
 
-    python -m pipeline.merge output.dir=outputs/my-dataset
+    python -m pipeline.merge output.dir=outputs/my-dataset      # or output.dir=s3://bucket/my-dataset
 
 exits 0 when merged, 4 (naming the missing shards) when some part is not complete, 2 when the
 directory does not exist or its parts cannot be merged (parts of jobs with different shard.count).
@@ -162,11 +162,14 @@ def main(argv: list[str]) -> int:
     if len(dirs) != 1 or len(argv) != 1:
         print("usage: python -m pipeline.merge output.dir=DIR", file=sys.stderr)
         return ExitCode.USER_ERROR
-    out_dir = Path(dirs[0])
+    from pipeline.launch import merge_any
+    from pipeline.store import is_url, local_path
+
+    out_dir = dirs[0] if is_url(dirs[0]) else local_path(dirs[0])
     try:
-        if not out_dir.is_dir():
+        if not is_url(out_dir) and not Path(out_dir).is_dir():
             raise UserError(f"output.dir={out_dir}: no such directory")
-        merged = merge(out_dir)
+        merged = merge_any(out_dir)  # an object store's URL: from its listing (pipeline.store_sync)
     except IncompleteError as err:
         print(err, file=sys.stderr)
         return ExitCode.INCOMPLETE

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from pipeline.guard import LockedError
+from pipeline.guard import LockedError, process_running
 from pipeline.sharding import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -117,19 +117,8 @@ class StoreLock:
 def _live(held: dict[str, Any]) -> bool:
     if float(held.get("expires") or 0) < time.time():
         return False
-    return not (held.get("host") == socket.gethostname() and not _running(held.get("pid")))
-
-
-def _running(pid: Any) -> bool:
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    pid = held.get("pid")
+    return not (held.get("host") == socket.gethostname() and isinstance(pid, int) and not process_running(pid))
 
 
 def _clock(epoch: Any) -> str:

@@ -20,6 +20,7 @@ import pytest
 from conftest import cpu_job, rows, run_cli, write_manifest
 from pipeline.errors import UserError
 from pipeline.guard import LockedError
+from pipeline.merge import main as merge_main
 from pipeline.sharding import ShardSpec
 
 SECRET = "secret-49-never-written"  # the store's secret key: no output may hold it
@@ -133,6 +134,9 @@ def test_s3_output_resumes_from_the_store_and_its_lock_refuses_another_job(tmp_p
     assert objects(fs, "data/ds") == {}  # refused before anything was written
     first = run_shard(job, None)
     assert first["images"]["ok"] == 5 and fs.exists("data/ds/_SUCCESS")
+    fs.rm("data/ds/stats.json")
+    assert merge_main(["output.dir=s3://data/ds"]) == 0  # by hand, from the store's parts
+    assert json.loads(fs.cat_file("data/ds/stats.json"))["images"]["ok"] == 5
     fs.rm("data/ds/shards/00000002.parquet")  # the last batch, as if its upload never happened
     fs.rm("data/ds/_SUCCESS")
     again = run_shard(job, None)
