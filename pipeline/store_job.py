@@ -47,8 +47,12 @@ def run_store_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: flo
         mirror.start()
         try:
             part = run(staged, resolved, store=mirror)
-        finally:
+        except BaseException:  # stopped or failed: what it committed goes up first, then its error
             error = mirror.stop()
+            if error is not None:
+                log.error("uploading to %s failed as well: %s", url, error)
+            raise
+        error = mirror.stop()
         if error is not None:
             raise WriteError(f"uploading to {url} failed: {error}") from error
     shutil.rmtree(mirror.local)

@@ -56,7 +56,6 @@ class Mirror:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
         self.uploaded = 0
 
     # ---- start: what a resume reads ------------------------------------------------------------
@@ -108,21 +107,26 @@ class Mirror:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self.error is None:
-            try:
-                self.sync()
-                self.sync()
-            except OSError as err:
-                self.error = err
-        return self.error
+        try:
+            self.sync()
+            self.sync()
+        except OSError as err:
+            return err
+        return None
 
     def _loop(self) -> None:
+        failing = False
         while not self._stop.wait(SYNC_S):
             try:
                 self.sync()
-            except OSError as err:  # not swallowed: stop() raises it, the job's writes are all local
-                self.error = err
-                return
+            except OSError as err:  # the store unreachable for now: the job goes on locally, stop() tries last
+                if not failing:
+                    log.warning("uploading to %s failed (%s); trying again every %.0f s", self.url, err, SYNC_S)
+                failing = True
+                continue
+            if failing:
+                log.info("uploading to %s works again", self.url)
+            failing = False
 
     def sync(self) -> None:
         with self._lock:
