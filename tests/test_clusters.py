@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,8 @@ def s3(tmp_path, monkeypatch):
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets per process, not per server: start from none
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     env = {"AWS_ACCESS_KEY_ID": "key-49", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": f"http://{host}:{port}", "BCG_STAGE_DIR": str(tmp_path / "stage")}
     for name, value in env.items():
