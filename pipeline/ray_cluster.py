@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +33,7 @@ from pipeline.store_lock import LEASE_S, SETTLE_S
 
 log = logging.getLogger(__name__)
 
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's servers bind to 127.0.0.1, not every interface
 CANCEL_WAIT_S = 120  # for cancelled tasks to upload what they committed, before a cluster of ours stops
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as the driver logs
 
@@ -44,10 +47,11 @@ def require_ray():
 
 
 def run_on_ray(job: JobConfig, resolved: dict[str, Any]) -> None:
-    ray = require_ray()
     started = time.perf_counter()
+    with loopback_only(job.cluster.address is None):
+        ray = require_ray()
+        own_cluster = connect(ray, job.cluster)
     count = job.shard.count
-    own_cluster = connect(ray, job.cluster)
     try:
         check_resources(ray, job.cluster, own_cluster)
         if count == 1:
@@ -67,6 +71,20 @@ def run_on_ray(job: JobConfig, resolved: dict[str, Any]) -> None:
     invalid = parts[0]["images"]["invalid"]  # every shard reads the whole manifest
     log.info("%s", summary_line(done["ok"], done["failed"], done["skipped"], invalid, time.perf_counter() - started,
                                 f"{job.output.dir} complete ({merged.images.ok} images ok in all, {count} shards on Ray)"))
+
+
+@contextmanager
+def loopback_only(local: bool):
+    """A Ray cluster of this machine alone listens on 127.0.0.1 only: Ray reads this variable when
+    it is imported (its single-node mode; the processes it starts inherit it). Put back after."""
+    if not local or LOOPBACK_ENV in os.environ:
+        yield
+        return
+    os.environ[LOOPBACK_ENV] = "0"
+    try:
+        yield
+    finally:
+        del os.environ[LOOPBACK_ENV]
 
 
 def connect(ray, cluster: ClusterConfig) -> bool:

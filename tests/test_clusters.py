@@ -86,6 +86,8 @@ def test_ray_shards_into_s3_equal_one_process_survive_a_killed_worker_and_a_reru
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "4 of 4 shards done" in log and "summary: " in log and "s3://data/ds complete" in log
+    assert "shard-00003-of-00004 runs 10 batches" in log  # a task's own lines come back to the driver
+    assert "4 shard tasks submitted to 127.0.0.1:" in log  # the cluster of this machine listens on loopback
 
     # the dataset in the store is the one process's, byte for byte, shard files included
     single = tmp_path / "single"
