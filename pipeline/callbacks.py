@@ -24,11 +24,12 @@ class MergeShards(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if config.shard.count <= 1 or config.output.dir is None:
             return  # not sharded, or no shared output.dir (such a sharded job is refused at start)
-        from pipeline.merge import IncompleteError, merge
+        from pipeline.launch import merge_any
+        from pipeline.merge import IncompleteError
 
-        out_dir = Path(config.output.dir)
+        out_dir = config.output.dir  # a path, or an object store's URL
         try:
-            merged = merge(out_dir)
+            merged = merge_any(out_dir)
         except IncompleteError as err:
             log.error("%s", err)
             return

@@ -19,20 +19,23 @@ SUCCESS = "_SUCCESS"
 STATS = "stats.json"
 CONTACT_SHEET = "contact_sheet.png"
 IGNORED = (("shard", "index"), ("runtime", "progress"))  # the same job whichever shard or terminal runs it
+IGNORED_SECTIONS = ("cluster",)  # ... and whichever machines run its shards
 
 
 def job_key(config: dict[str, Any] | None) -> str | None:
     """The digest of a job's resolved config and its manifest file; None when either is unknown."""
+    from pipeline.store import manifest_stamp
+
     try:
-        manifest = Path(config["manifest"]["path"])
-        stat = manifest.stat()
+        manifest = manifest_stamp(config["manifest"]["path"])
     except (TypeError, KeyError, OSError):
         return None
     config = copy.deepcopy(config)
     for section, key in IGNORED:
         config.get(section, {}).pop(key, None)
-    blob = json.dumps({"config": config, "manifest": [str(manifest), stat.st_size, stat.st_mtime_ns]},
-                      sort_keys=True, default=str)
+    for section in IGNORED_SECTIONS:
+        config.pop(section, None)
+    blob = json.dumps({"config": config, "manifest": manifest}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -26,6 +26,7 @@ from pipeline.manifest import check_manifest_file
 from pipeline.paths import absolute, asset, check_writable_dir
 from pipeline.model_info import sampler_defaults
 from pipeline.plans import AUTO, PLANS, KernelSettings
+from pipeline.store import fetch_manifest, is_url, local_path
 
 
 @dataclass
@@ -166,6 +167,19 @@ class ShardConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # local: this process runs shard.index of shard.count; ray: this process drives every shard as a
+    # Ray task and merges them (pipeline.ray_cluster).
+    name: str = "local"
+    # ray: null starts a Ray cluster on this machine; "auto" joins the one it belongs to; ray://head:10001.
+    address: Optional[str] = None
+    gpus_per_shard: float = 1.0  # 0 on a CPU-only cluster
+    cpus_per_shard: float = 1.0
+    # A task whose process dies is run again (Ray's max_retries) and resumes from its shard's commits.
+    max_retries: int = 3
+
+
+@dataclass
 class BenchConfig:
     # `+job=bench`: also run the manifest through diffusers' own pipeline (grouped by resolution,
     # `baseline_batch` prompts per call) on the same weights, before our job, and compare.
@@ -193,6 +207,7 @@ class JobConfig:
     manifest: ManifestConfig = field(default_factory=ManifestConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
 
 
@@ -201,8 +216,8 @@ PATH_KEYS = ("manifest.path", "model.path", "output.dir", "bench.baseline_from",
 
 
 def output_dir_or(default: str, *, _root_: DictConfig) -> str:
-    """`${output_dir_or:...}` (hydra.run.dir): output.dir where it is set, else `default`."""
-    return default if _root_.output.dir is None else _root_.output.dir
+    """`${output_dir_or:...}` (hydra.run.dir): output.dir where it is a local path, else `default`."""
+    return default if _root_.output.dir is None or is_url(_root_.output.dir) else local_path(_root_.output.dir)
 
 
 def dirname(text: str) -> str:
@@ -248,13 +263,16 @@ def _resolve_job(cfg: DictConfig, cwd: str | os.PathLike, run_dir: str | os.Path
         cfg.output.dir = str(run_dir)
     for key in PATH_KEYS:
         value = OmegaConf.select(cfg, key)
-        if value is not None:
-            OmegaConf.update(cfg, key, absolute(value, cwd))
+        if value is not None and not is_url(value):
+            OmegaConf.update(cfg, key, absolute(local_path(value), cwd))
     fill_sampler_defaults(cfg.sampler, cfg.model)
     job = OmegaConf.to_object(cfg)
     check_choices(job)
-    check_writable_dir("output.dir", Path(job.output.dir))
-    check_manifest_file(job.manifest.path)  # the file's footer: its rows are the job's to check
+    if is_url(job.output.dir):
+        check_store_output(job)
+    else:
+        check_writable_dir("output.dir", Path(job.output.dir))
+    check_manifest_file(fetch_manifest(job.manifest.path) if is_url(job.manifest.path) else job.manifest.path)
     return job
 
 
@@ -284,6 +302,7 @@ COMPILE_TUNINGS = ("fixed", "timed")
 CAPTURE = ("plan", "ladder")
 FORMATS = ("png", "jpeg", "webp")  # pipeline.encoding
 LAYOUTS = ("files", "webdataset", "parquet")  # pipeline.layouts
+CLUSTERS = ("local", "ray")  # pipeline.launch
 
 
 def check_auto_sizes(sizes) -> None:
@@ -337,6 +356,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("output.format", cfg.output.format, FORMATS),
         ("output.layout", cfg.output.layout, LAYOUTS),
         ("output.on_conflict", cfg.output.on_conflict, ("error", "overwrite")),
+        ("cluster.name", cfg.cluster.name, CLUSTERS),
     ):
         if value not in accepted:
             raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
@@ -371,3 +391,19 @@ def check_choices(cfg: JobConfig) -> None:
     if cfg.bench.reference_images < 1:
         raise UserError(f"bench.reference_images={cfg.bench.reference_images} must be >= 1 (rows per resolution "
                         "compared with the baseline; at most bench.baseline_batch are there to compare)")
+
+
+def check_store_output(cfg: JobConfig) -> None:
+    """An object-store output.dir: its fsspec backend is installed, and no option needs a local one."""
+    from pipeline.store import open_store
+
+    open_store("output.dir", cfg.output.dir)
+    for key, value, why in (
+        ("output.contact_sheet", cfg.output.contact_sheet, "it reads every image back"),
+        ("output.on_conflict", cfg.output.on_conflict == "overwrite", "it rewrites committed shard files in place"),
+        ("bench.baseline", cfg.bench.baseline or cfg.bench.baseline_only or cfg.bench.baseline_from,
+         "the benchmark compares local files"),
+    ):
+        if value:
+            raise UserError(f"{key}: not available with an object-store output.dir ({cfg.output.dir}): {why}; "
+                            "use a local output.dir for it, or leave the key at its default")

@@ -237,10 +237,15 @@ def _tmp_owner_dead(name: str, host: str) -> bool:
     parts = name.rsplit("@", 2)
     if len(parts) != 3 or parts[1] != host or not parts[2].isdigit():
         return False
+    return not process_running(int(parts[2]))
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (one of another user's counts as running)."""
     try:
-        os.kill(int(parts[2]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:
         return False
-    return False
+    except PermissionError:
+        return True
+    return True

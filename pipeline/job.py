@@ -45,8 +45,8 @@ from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
-from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo
-from pipeline.startup import Preamble, StartupClock, process_age_s, say_imported_from_source
+from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
+from pipeline.startup import Preamble, StartupClock, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
@@ -55,6 +55,7 @@ from pipeline.encoding import encoding_of
 from pipeline.layouts import STAGING_DIR, embeds
 from pipeline.shard_files import group_batches
 from pipeline.sharding import ShardSpec, plan_shard
+from pipeline.store_sync import Mirror
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Output, Writer, reserved_columns, row_schema
 
 log = logging.getLogger(__name__)
@@ -112,14 +113,15 @@ class Generated:
 
 @job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None,
-        preamble: Preamble | None = None) -> dict[str, Any]:
+        preamble: Preamble | None = None, store: Mirror | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
     parts/shard-*.json holds it (`PartReport.to_dict()`; a shard found finished returns its part
     as it is, and builds no model). User errors raise ValueError subclasses (ManifestError,
     ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
     `Interrupted` once the current batch is committed. `adapter`: a model already built from
     cfg.model (the benchmark's, shared with its diffusers baseline); `preamble`: the seconds the
-    caller spent on it and on other work before the job, kept out of the start-up's `imports`."""
+    caller spent on it and on other work before the job, kept out of the start-up's `imports`;
+    `store`: the object store that cfg.output.dir stages (`pipeline.store_job`), which merges."""
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
     setup, stats = start(cfg)
     if preamble is not None:
@@ -156,7 +158,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
 
         # 8. A finished job ends here, before any weights are loaded.
         if todo == [] and part_path(setup.out_dir, setup.shard.name).is_file():
-            return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet)
+            return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet, store)
 
         # 9. The model and its kernels, and the denoiser that runs it in bcg.scope.
         built = build(cfg, manifest, setup, adapter, fields, stats.startup)
@@ -193,7 +195,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         write_part(setup.out_dir, setup.shard, report)
 
     # 16. The run-level stats.json and _SUCCESS once every shard's part is in; the contact sheet.
-    finish(setup.out_dir, report, setup.shard, cfg.output.contact_sheet)
+    finish(setup.out_dir, report, setup.shard, cfg.output.contact_sheet, store)
     return report.to_dict()
 
 
@@ -450,13 +452,13 @@ def reopen(out_dir: Path, shard: ShardSpec) -> None:
             stale.unlink(missing_ok=True)
 
 
-def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool) -> dict[str, Any]:
+def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> dict[str, Any]:
     """A finished job run again: its part as it is; stats.json and _SUCCESS (once every shard is in)
     and the contact sheet are written only where missing."""
     if not ((out_dir / STATS).is_file() and (out_dir / SUCCESS).is_file()):
         try:
-            merge(out_dir, shard.count)
-            log.info("%s complete (%s and %s written)", out_dir, STATS, SUCCESS)
+            store.merge(shard.count) if store else merge(out_dir, shard.count)
+            log.info("%s complete (%s and %s written)", store.url if store else out_dir, STATS, SUCCESS)
         except IncompleteError as err:
             log.info("%s", err)
     if contact_sheet and not (out_dir / CONTACT_SHEET).is_file():
@@ -536,11 +538,12 @@ def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
     report.write(part_path(out_dir, shard.name))
 
 
-def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool) -> None:
-    """Merge when every shard is in; otherwise say which are missing. One summary line either way."""
+def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> None:
+    """Merge when every shard is in (in `store`, where it stages one); otherwise say which are
+    missing. One summary line either way."""
     try:
-        merged = merge(out_dir, shard.count)
-        where = f"{out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
+        merged = store.merge(shard.count) if store else merge(out_dir, shard.count)
+        where = f"{store.url if store else out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
     except IncompleteError as err:
         where = str(err)
     say_summary(report.images, report.wall_s, where)
@@ -566,10 +569,5 @@ def stopped_summary(stats: RunStats, progress: Callable[[], tuple[ShardPlan | No
 
 
 def say_summary(images: ImageCounts, job_wall_s: float, where: str) -> None:
-    """The job's last line. Its wall time runs from the process's start (start-up included), where the
-    system says when that was."""
-    since_start = process_age_s()
-    wall = (f"{since_start:.1f} s wall since the command started" if since_start is not None
-            else f"{job_wall_s:.1f} s wall since the job started")
-    log.info("summary: %d done, %d failed, %d skipped (committed earlier), %d invalid rows, %s; %s",
-             images.ok, images.failed, images.skipped, images.invalid, wall, where)
+    """The job's last line (report.summary_line)."""
+    log.info("%s", summary_line(images.ok, images.failed, images.skipped, images.invalid, job_wall_s, where))

@@ -5,7 +5,7 @@
 Each process writes `parts/shard-<i>-of-<n>.json` (its own stats) when its batches are committed;
 the last one to finish merges. By hand, or after a Slurm array:
 
-    python -m pipeline.merge output.dir=outputs/my-dataset
+    python -m pipeline.merge output.dir=outputs/my-dataset      # or output.dir=s3://bucket/my-dataset
 
 exits 0 when merged, 4 (naming the missing shards) when some part is not complete, 2 when the
 directory does not exist or its parts cannot be merged (parts of jobs with different shard.count).
@@ -93,6 +93,15 @@ def missing_shards(parts: list[PartReport]) -> list[int] | None:
     return sorted(set(range(count)) - {p.shard.index for p in parts})
 
 
+def check_complete(parts: list[PartReport], where: Path | str) -> None:
+    """IncompleteError naming `where` and the shards with no part yet, unless every shard has one."""
+    missing = missing_shards(parts)
+    if missing is None:
+        raise IncompleteError(f"{where}: no shard has completed yet (no {PARTS_DIR}/shard-*.json)")
+    if missing:
+        raise IncompleteError(f"{where}: {len(missing)} of {parts[0].shard.count} shards not complete yet: {missing}")
+
+
 def merge_stats(parts: list[PartReport], status: Counter, output: OutputReport | None = None) -> RunReport:
     """Run-level stats. `images.ok` / `failed` count the committed rows on disk (the dataset, over
     every run that added to it); `generated` what the last run of each shard made. With several
@@ -137,12 +146,7 @@ def merge(out_dir: Path, count: int | None = None) -> RunReport:
     """Write stats.json then _SUCCESS if every shard is complete; IncompleteError otherwise.
     `count`: the job's shard.count (parts of a job with another count are ignored)."""
     parts = read_parts(out_dir, count)
-    missing = missing_shards(parts)
-    if missing is None:
-        raise IncompleteError(f"{out_dir}: no shard has completed yet (no {PARTS_DIR}/shard-*.json)")
-    if missing:
-        count = parts[0].shard.count
-        raise IncompleteError(f"{out_dir}: {len(missing)} of {count} shards not complete yet: {missing}")
+    check_complete(parts, out_dir)
     committed = read_committed(out_dir)
     merged = merge_stats(parts, committed_status(committed), committed_output(committed))
     write_failed(out_dir, committed)
@@ -158,11 +162,14 @@ def main(argv: list[str]) -> int:
     if len(dirs) != 1 or len(argv) != 1:
         print("usage: python -m pipeline.merge output.dir=DIR", file=sys.stderr)
         return ExitCode.USER_ERROR
-    out_dir = Path(dirs[0])
+    from pipeline.launch import merge_any
+    from pipeline.store import is_url, local_path
+
+    out_dir = dirs[0] if is_url(dirs[0]) else local_path(dirs[0])
     try:
-        if not out_dir.is_dir():
+        if not is_url(out_dir) and not Path(out_dir).is_dir():
             raise UserError(f"output.dir={out_dir}: no such directory")
-        merged = merge(out_dir)
+        merged = merge_any(out_dir)  # an object store's URL: from its listing (pipeline.store_sync)
     except IncompleteError as err:
         print(err, file=sys.stderr)
         return ExitCode.INCOMPLETE

@@ -20,19 +20,23 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
 
-from pipeline.completion import finished
+from pipeline.launch import finished
 from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.guard import check_free
 from pipeline.sharding import ShardSpec
+from pipeline.store import is_url
 
 
 def check_run(job: JobConfig, resolved: dict[str, Any]) -> None:
-    """UserError for the first refusal the job would make (`resolved`: the config as the job records it)."""
+    """UserError for the first refusal the job would make (`resolved`: the config as the job records it).
+    An output.dir on an object store is checked by the job itself, against the store's listing and lock."""
     check_torch_build(job.runtime.device)
+    if is_url(job.output.dir):
+        return
     check_free(Path(job.output.dir), ShardSpec(job.shard.index, job.shard.count))
     bench = job.bench.baseline or job.bench.baseline_only or job.bench.baseline_from
-    if bench or finished(Path(job.output.dir), resolved, job.output.contact_sheet):
+    if bench or finished(job.output.dir, resolved, job.output.contact_sheet):
         return  # +job=bench checks before its baseline; a finished job has nothing to refuse
     from pipeline.job import check  # the model's packages
 

@@ -39,6 +39,18 @@ class ImageCounts:
     generated: int  # made by this run (stats.json: by the last run of each shard)
 
 
+def summary_line(ok: int, failed: int, skipped: int, invalid: int, wall_s: float, where: str) -> str:
+    """The one line every job ends with (a Ray driver's: over its shards). Its wall time runs from the
+    process's start (start-up included) where the system says when that was, else `wall_s`."""
+    from pipeline.startup import process_age_s
+
+    since_start = process_age_s()
+    wall = (f"{since_start:.1f} s wall since the command started" if since_start is not None
+            else f"{wall_s:.1f} s wall since the job started")
+    return (f"summary: {ok} done, {failed} failed, {skipped} skipped (committed earlier), {invalid} invalid rows, "
+            f"{wall}; {where}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardInfo:
     index: int

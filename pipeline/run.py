@@ -26,10 +26,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.completion import SUCCESS, finished
+from pipeline.completion import SUCCESS
 from pipeline.config import fill_sampler_defaults, register_configs, resolve_job
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
+from pipeline.launch import finished, launch
 from pipeline.overrides import check_overrides
 from pipeline.paths import CONF_DIR, absolute, check_writable_dir
 from pipeline.preflight import check_run
@@ -108,14 +109,16 @@ def run_hydra(cfg: DictConfig) -> None:
         job = resolve_job(cfg, runtime.cwd, runtime.output_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         bench = job.bench.baseline or job.bench.baseline_only or job.bench.baseline_from
-        if not bench and finished(Path(job.output.dir), resolved, job.output.contact_sheet):
+        if not bench and finished(job.output.dir, resolved, job.output.contact_sheet):
             log.info("nothing to do: %s is complete, and %s records this same job (change a setting, the manifest "
                      "or output.dir to run another)", job.output.dir, SUCCESS)
             return
-        from pipeline.bench import run_bench  # heavy imports, after the config is checked
-        from pipeline.job import run
+        if bench:
+            from pipeline.bench import run_bench  # heavy imports, after the config is checked
 
-        (run_bench if bench else run)(job, resolved)
+            run_bench(job, resolved)
+        else:
+            launch(job, resolved)  # this shard, or every shard on a Ray cluster
     except Exception as err:
         outcome = user_outcome(err)
         if outcome is None:

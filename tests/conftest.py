@@ -73,8 +73,8 @@ def run_python(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict[str
     return subprocess.run([sys.executable, *args], cwd=cwd, env=child, capture_output=True, text=True, timeout=timeout)
 
 
-def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return run_python("-m", "pipeline.run", *args, cwd=cwd)
+def run_cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_python("-m", "pipeline.run", *args, cwd=cwd, env=env)
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
