@@ -7,7 +7,7 @@ Each run is `python -m pipeline.run +job=bench bench.baseline=false` on the mani
 60-row jobs/manifests/bench_tiny.parquet; PixArt-Sigma with random weights, kernels=fast) plus the
 overrides, in a process of its own (of `--python`: default this interpreter; benchmarks/lean_venv.py
 makes one with the package's requirements only), each job in a fresh output.dir with its own kernel
-cache (the job's, <output.dir>/.cache/inductor), so no run loads what another job built:
+cache (`<output.dir>-kernels`, as kernels.compile_cache_dir), so no run loads what another job built:
 - `cold`: the whole job from an empty cache: the reference images;
 - `stopped`: another job, stopped once `--stop-after` batches are done (BCG_STOP_AFTER_BATCHES: the
   SIGTERM a user sends), from an empty cache;
@@ -46,7 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pipeline.compare import compare
 from pipeline.errors import UserError
-from pipeline.kernels.compile import JOB_CACHE
 from pipeline.merge import PARTS_DIR, STATS
 from pipeline.report import PartReport
 from pipeline.stats import STOP_AFTER_BATCHES
@@ -57,8 +56,14 @@ IMPORT = "import pipeline.job"
 STAGES = ("imports", "prepare", "build", "kernels", "calibrate", "prompts", "warmup", "capture", "first_batch", "total")
 
 
+def kernel_cache(out: Path) -> Path:
+    """The run's own kernel cache (not the user's, which every run would share)."""
+    return out.parent / f"{out.name}-kernels"
+
+
 def launch(python: str, out: Path, overrides: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
-    args = [python, "-m", "pipeline.run", "+job=bench", "bench.baseline=false", f"output.dir={out}", *overrides]
+    args = [python, "-m", "pipeline.run", "+job=bench", "bench.baseline=false", f"output.dir={out}",
+            f"kernels.compile_cache_dir={kernel_cache(out)}", *overrides]
     log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115 - the child writes it until it ends
     started = time.time()
     return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT), started
@@ -166,7 +171,7 @@ def best_configs(cache: Path) -> dict[str, dict]:
 
 
 def config_diff(a: Path, b: Path) -> dict:
-    ca, cb = best_configs(a / JOB_CACHE), best_configs(b / JOB_CACHE)
+    ca, cb = best_configs(kernel_cache(a)), best_configs(kernel_cache(b))
     common = sorted(set(ca) & set(cb))
     return {"tuned_a": len(ca), "tuned_b": len(cb), "common": len(common),
             "differing": {name: {"a": ca[name], "b": cb[name]} for name in common if ca[name] != cb[name]}}

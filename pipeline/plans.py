@@ -74,7 +74,8 @@ class KernelSettings:
     # torch.compile the VAE decoder too, latents decoded `decode_chunk` at a time (the last chunk padded).
     compile_decoder: bool = False
     decode_chunk: int = 4
-    # Where inductor keeps what it compiled (null: <output.dir>/.cache/inductor). Not a plan's to set.
+    # Where inductor keeps what it compiled (null: the user's cache, pipeline.kernels.compile.user_cache).
+    # Not a plan's to set.
     compile_cache_dir: Optional[str] = None
 
 

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SYNC_S = 1.0
 RUN_LEVEL = (FAILED, CARD, STATS, SUCCESS)  # written by merge_store, SUCCESS last
-SKIPPED_DIRS = (".cache", ".hydra")  # the job's kernel cache; Hydra's files
+SKIPPED_DIRS = (".cache", ".hydra")  # caches (an older version kept kernels there); Hydra's files
 
 
 class Mirror:

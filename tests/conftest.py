@@ -24,6 +24,13 @@ CONF = REPO / "conf"
 register_configs()
 
 
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    """Each test's compiled kernels in a user cache of its own (BCG_CACHE_DIR; the child processes a
+    test starts inherit it): a test never loads what another compiled."""
+    monkeypatch.setenv("BCG_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+
+
 def job_config(*overrides: str) -> JobConfig:
     """The config `python -m pipeline.run <overrides>` would get, as the typed dataclass."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from pipeline.errors import UserError
 from pipeline.guard import Interrupted
 from pipeline.job import run
 from pipeline.kernels import apply_kernels, check_kernels, compile_cache, output_kernels
-from pipeline.kernels.compile import JOB_CACHE, cache_directory, compile_options, not_reproducible
+from pipeline.kernels.compile import cache_directory, compile_options, not_reproducible
 from pipeline.blocks.pixart import compiled_norm
 from pipeline.models import build_model
 from pipeline.report import RunReport
@@ -37,24 +38,34 @@ def stats(out) -> dict:
     return json.loads((out / "stats.json").read_text())
 
 
-def test_a_compiling_job_keeps_its_compile_cache_hidden_under_output_dir(tmp_path):
+def test_a_compiling_job_keeps_its_kernels_in_the_users_cache_keyed_by_what_makes_them_differ(tmp_path, monkeypatch):
+    """No kernel under output.dir: the user's cache (BCG_CACHE_DIR, else XDG_CACHE_HOME/bcg-datagen,
+    else ~/.cache/bcg-datagen) holds one folder per key of the settings that change kernels, the GPU's
+    model and the versions, shared by every job with that key; kernels.compile_cache_dir overrides it."""
     out = tmp_path / "out"
+    monkeypatch.setenv("BCG_CACHE_DIR", str(tmp_path / "user"))
     assert cache_directory(KernelSettings(), out, "cpu") is None  # nothing compiles: torch's environment as it is
-    assert cache_directory(KernelSettings(compile=True), out, "cpu") == (out / JOB_CACHE).resolve()
-    assert cache_directory(KernelSettings(compile_decoder=True), out, "cpu") == (out / ".cache" / "inductor").resolve()
+    compiled = cache_directory(KernelSettings(compile=True), out, "cpu")
+    assert compiled.parent == (tmp_path / "user" / "kernels").resolve()
+    assert cache_directory(KernelSettings(compile=True), tmp_path / "another-job", "cpu") == compiled
+    assert cache_directory(KernelSettings(compile=True, compile_tuning="timed"), out, "cpu") != compiled
+    assert cache_directory(KernelSettings(compile_decoder=True), out, "cpu") not in (None, compiled)
     # the fast plan compiles nothing for its blocks, but on CUDA builds its layer norm's Triton kernel: kept too
-    assert cache_directory(KernelSettings(fuse_residual=True), out, "cuda") == (out / JOB_CACHE).resolve()
     assert cache_directory(KernelSettings(fuse_residual=True), out, "cpu") is None
     shared = tmp_path / "nightly-cache"
     assert cache_directory(KernelSettings(compile=True, compile_cache_dir=str(shared)), out, "cpu") == shared.resolve()
+    monkeypatch.delenv("BCG_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_directory(KernelSettings(compile=True), out, "cpu").parent == (tmp_path / "xdg/bcg-datagen/kernels")
+    monkeypatch.setenv("BCG_CACHE_DIR", str(tmp_path / "user"))
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with compile_cache(KernelSettings(compile=True), out, "cpu"):
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((out / ".cache/inductor").resolve())
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled)
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        assert cache_dir() == str((out / ".cache/inductor").resolve())  # where inductor writes
-        assert os.environ["TRITON_CACHE_DIR"] == str((out / ".cache/inductor/triton").resolve())  # and Triton
+        assert cache_dir() == str(compiled)  # where inductor writes
+        assert os.environ["TRITON_CACHE_DIR"] == str(compiled / "triton")  # and Triton
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
     with compile_cache(KernelSettings(), out, "cpu"):
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
@@ -155,7 +166,7 @@ def test_a_job_stopped_after_some_batches_resumes_to_the_same_images(tmp_path, m
 def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_same_images(tmp_path):
     """kernels.compile (fuse_residual's layer norms) on the tiny model: the job stopped in one process
     and resumed in another gives the uninterrupted job's bytes, and the second process loads what
-    the first compiled from the job's cache instead of compiling."""
+    the first compiled from the user's cache instead of compiling."""
     manifest = write_manifest(tmp_path / "m.parquet", SIZES)
 
     def job(out: str) -> tuple[str, ...]:  # every job in a process of its own: no compile of this process's is reused
@@ -164,7 +175,7 @@ def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_s
 
     assert run_python(*job("whole")).returncode == 0
     whole = stats(tmp_path / "whole")
-    assert whole["kernels"]["cache_misses"] > 0 and (tmp_path / "whole" / JOB_CACHE / "fxgraph").is_dir()
+    assert whole["kernels"]["cache_misses"] > 0 and (Path(whole["kernels"]["compile_cache_dir"]) / "fxgraph").is_dir()
     assert whole["kernels"]["reproducible"] is True
 
     common = job("resumed")
@@ -175,7 +186,7 @@ def test_a_compiled_job_resumed_in_a_new_process_loads_its_cache_and_makes_the_s
     kernels = stats(tmp_path / "resumed")["kernels"]  # the resuming process's
     assert kernels["cache_hits"] >= 1 and kernels["cache_misses"] == 0
     assert stats(tmp_path / "resumed")["startup_s"]["first_batch"] > 0  # a warm start, by stage
-    assert kernels["compile_cache_dir"] == str((tmp_path / "resumed" / JOB_CACHE).resolve())
+    assert kernels["compile_cache_dir"] == whole["kernels"]["compile_cache_dir"]  # the user's, for these kernels
     assert images(tmp_path / "resumed") == images(tmp_path / "whole")
 
 

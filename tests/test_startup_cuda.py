@@ -17,12 +17,12 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, rows, run_python, write_manifest
-from pipeline.kernels.compile import JOB_CACHE
 from pipeline.stats import STOP_AFTER_BATCHES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -53,7 +53,7 @@ def stats(out) -> dict:
 def whole(tmp_path_factory):
     d = tmp_path_factory.mktemp("fast")
     manifest = write_manifest(d / "m.parquet", MANIFEST)
-    done = run_python(*job_args(manifest, d / "whole"), timeout=600)
+    done = run_python(*job_args(manifest, d / "whole"), env={"BCG_CACHE_DIR": str(d / "cache")}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert stats(d / "whole")["kernels"]["reproducible"] is True
     return manifest, d / "whole"
@@ -65,20 +65,22 @@ def test_a_fast_job_stopped_and_resumed_in_a_new_process_gives_the_uninterrupted
     stopped = run_python(*job_args(manifest, out), env={STOP_AFTER_BATCHES: "2"}, timeout=600)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert 0 < len(images(out)) < len(MANIFEST)
-    built = triton_files(out)
-    assert built, "the stopped process left no kernel in the job's cache"
+    cache = next((Path(os.environ["BCG_CACHE_DIR"]) / "kernels").iterdir())  # this test's user cache: one key
+    built = triton_files(cache)
+    assert built, "the stopped process left no kernel in the cache"
     resumed = run_python(*job_args(manifest, out), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = stats(out)
     assert report["images"]["skipped"] > 0
-    assert report["kernels"]["compile_cache_dir"] == str((out / JOB_CACHE).resolve())
-    assert triton_files(out) == built  # loaded, not built again
+    assert report["kernels"]["compile_cache_dir"] == str(cache)
+    assert triton_files(cache) == built  # loaded, not built again
     assert images(out) == images(reference)
 
 
-def triton_files(out) -> set[str]:
-    """The kernels Triton keeps in the job's cache (one folder per kernel build)."""
-    return {str(p.relative_to(out)) for p in (out / JOB_CACHE / "triton").rglob("*") if p.is_file()}
+def triton_files(cache) -> set[str]:
+    """The kernels Triton keeps in the cache (one folder per kernel build)."""
+    return {str(p.relative_to(cache)) for p in (cache / "triton").rglob("*") if p.is_file()}
+
 
 
 def test_two_fast_shard_processes_at_once_give_the_one_process_bytes(whole, tmp_path):

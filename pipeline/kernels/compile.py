@@ -19,8 +19,8 @@ Why two processes could run different kernels, and what keeps them the same:
   (`CANONICAL`: the model's native size, 1 or 2 rows; `CanonicalFirstCalls`), whatever the job runs:
   every process, shard, resume and job generates the same kernels. PixArt's layer norm off CUDA is
   compiled for a fixed row-count hint (pipeline.blocks.pixart.NORM_ROWS_HINT).
-- What one process compiled lands in the job's cache (`compile_cache`), which later processes on the
-  same device load instead of compiling (inductor's keys name the device).
+- What one process compiled lands in the user's cache for these kernels (`compile_cache`), which
+  later processes and jobs on the same GPU model load instead of compiling.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # what compile_cache points at the job's cache
-JOB_CACHE = Path(".cache") / "inductor"  # under output.dir: a hidden folder, which dataset loaders skip
+CACHE_HOME = "BCG_CACHE_DIR"  # the per-user cache's root where set; else $XDG_CACHE_HOME/bcg-datagen, ~/.cache/bcg-datagen
 # dynamo's settings under which a block or the VAE decoder is traced once: float scalars as constants
 # (theirs are: norm epsilons, attention and upsampling scales). Left symbolic, the pass that turns them
 # into tensors stops the first trace and dynamo traces it all again, in every process, a warm one too.
@@ -226,11 +226,38 @@ def builds_kernels(kernels: KernelSettings, device: torch.device | str | None) -
 
 def cache_directory(kernels: KernelSettings, out_dir: Path, device: torch.device | str | None) -> Path | None:
     """Where this job keeps the kernels it builds (`builds_kernels`) and the block sizes it tunes:
-    kernels.compile_cache_dir, else the job's own folder under output.dir (JOB_CACHE); None when it
-    builds none."""
+    kernels.compile_cache_dir, else the user's cache (`user_cache`), shared by every job with the same
+    kernels on the same GPU model and versions; None when it builds none. (`out_dir`: the job's, which
+    holds no kernels.)"""
     if not builds_kernels(kernels, device):
         return None
-    return Path(kernels.compile_cache_dir or Path(out_dir) / JOB_CACHE).expanduser().resolve()
+    return Path(kernels.compile_cache_dir or user_cache(kernels, device)).expanduser().resolve()
+
+
+def user_cache(kernels: KernelSettings, device: torch.device | str | None) -> Path:
+    """<the user's cache>/kernels/<key>: the key digests what makes compiled kernels differ: the
+    settings that change images (pipeline.kernels.output_kernels, the plan's among them), the GPU's
+    model, torch's, Triton's and this package's versions. A job on other prompts and sizes with the same
+    key starts warm (its compiled code was first called at the same canonical shapes)."""
+    import hashlib
+    import importlib.metadata
+    import json
+
+    from pipeline.kernels import output_kernels
+
+    def version(name: str) -> str | None:  # None: not installed (this package run from a checkout)
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    device = torch.device(device or "cpu")
+    what = {"kernels": output_kernels(kernels), "torch": torch.__version__, "triton": version("triton"),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "package": version("bcg-datagen")}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    home = os.environ.get(CACHE_HOME) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bcg-datagen"
+    return Path(home) / "kernels" / key
 
 
 @contextmanager
@@ -246,7 +273,8 @@ def compile_cache(kernels: KernelSettings, out_dir: Path, device: torch.device |
             inductor_env, triton_env = CACHE_ENV
             os.environ[inductor_env] = str(directory)
             os.environ[triton_env] = str(directory / "triton")
-            log.info("kernels: the kernel cache in %s (the job's next process loads what this one builds)", directory)
+            log.info("kernels: the kernel cache in %s (later jobs with these kernels load what this one builds)",
+                     directory)
             why = not_reproducible(kernels)
             if why:
                 log.warning("kernels: not the same kernels in every process: %s", why)
