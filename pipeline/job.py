@@ -30,7 +30,7 @@ from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
-                              start_compile_workers, with_attention)
+                              process_settings, start_compile_workers, with_attention)
 from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
@@ -44,6 +44,7 @@ from pipeline.model_info import model_family, sampler_defaults
 from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
+from pipeline.kept_model import KeptModel, model_key, not_keepable
 from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
 from pipeline.startup import Preamble, StartupClock, say_imported_from_source
@@ -111,9 +112,8 @@ class Generated:
     first_commit_at: float | None  # perf_counter when the first batch was committed (None: none was)
 
 
-@job_scope()  # torch's flags, dynamo/inductor config and the environment put back when the job ends
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None,
-        preamble: Preamble | None = None, store: Mirror | None = None) -> dict[str, Any]:
+        preamble: Preamble | None = None, store: Mirror | None = None, kept: KeptModel | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
     parts/shard-*.json holds it (`PartReport.to_dict()`; a shard found finished returns its part
     as it is, and builds no model). User errors raise ValueError subclasses (ManifestError,
@@ -121,7 +121,21 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
     `Interrupted` once the current batch is committed. `adapter`: a model already built from
     cfg.model (the benchmark's, shared with its diffusers baseline); `preamble`: the seconds the
     caller spent on it and on other work before the job, kept out of the start-up's `imports`;
-    `store`: the object store that cfg.output.dir stages (`pipeline.store_job`), which merges."""
+    `store`: the object store that cfg.output.dir stages (`pipeline.store_job`), which merges;
+    `kept`: the model a sweep keeps between its jobs (pipeline.kept_model), taken when it was built
+    for this job's settings and left for the next. torch's flags, dynamo's and inductor's config and
+    the environment are put back when the job ends (pipeline.process_state)."""
+    with job_scope(keeps_compiled=lambda: kept is not None and kept.holds):
+        try:
+            return run_in_scope(cfg, resolved_config, adapter, preamble, store, kept)
+        except BaseException:
+            if kept is not None:  # a job that failed may leave its model half-done (a capture, a compile)
+                kept.drop()
+            raise
+
+
+def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter: Adapter | None,
+                 preamble: Preamble | None, store: Mirror | None, kept: KeptModel | None) -> dict[str, Any]:
     # 1. Check the config, pick the device, set the numerics flags before any model exists.
     setup, stats = start(cfg)
     if preamble is not None:
@@ -161,7 +175,7 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
             return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet, store)
 
         # 9. The model and its kernels, and the denoiser that runs it in bcg.scope.
-        built = build(cfg, manifest, setup, adapter, fields, stats.startup)
+        built = build(cfg, manifest, setup, adapter, fields, stats.startup, kept)
         stop.check()
 
         # 10. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
@@ -330,23 +344,38 @@ def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
 
 
 def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | None, fields: dict[str, Any],
-          clock: StartupClock) -> Built:
+          clock: StartupClock, kept: KeptModel | None = None) -> Built:
     """The device made current (CUDA is set up here, not before: a finished job never gets this far),
     the compile workers (they come up while the model loads), the model (unless the caller built
-    it), its kernels (`kernels`), and its denoiser. `fields`: job_fields, which the built model
-    must agree with. `clock` laps the build and the kernels. The job's device memory is counted
-    from the device's set-up on; the model's is marked once its kernels are applied."""
+    it, or `kept` holds it from an earlier job of this process), its kernels (`kernels`), and its
+    denoiser. `fields`: job_fields, which the built model must agree with. `clock` laps the build and
+    the kernels. The job's device memory is counted from the device's set-up on; the model's is
+    marked once its kernels are applied."""
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
     memory = MemoryMarks.start(setup.device)
-    start_compile_workers(setup.kernels, setup.device)
-    adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, setup.dtype), cfg.sampler.true_cfg_scale)
-    clock.lap("build")
     resolutions = manifest.resolutions()
+    probe, shapes = (resolutions[0] if resolutions else None), len(resolutions) * 8
+    key = model_key(cfg.model, setup.device, setup.dtype, setup.kernels, probe, cfg.sampler.true_cfg_scale)
+    taken = kept.take(key) if kept is not None and adapter is None else None
     compiled_before = compile_stats()
-    kernels = {**setup.plan.to_dict(),
-               **apply_kernels(setup.kernels, adapter, resolutions[0] if resolutions else None,
-                               shapes=len(resolutions) * 8, texts=manifest_texts(manifest))}
+    if taken is not None:
+        clock.lap("build")
+        process_settings(setup.kernels, shapes)
+        adapter, applied = taken.adapter, {**taken.kernels, "model_kept": True}
+    else:
+        start_compile_workers(setup.kernels, setup.device)
+        base = adapter
+        adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, setup.dtype), cfg.sampler.true_cfg_scale)
+        clock.lap("build")
+        compiled_before = compile_stats()
+        applied = apply_kernels(setup.kernels, adapter, probe, shapes=shapes, texts=manifest_texts(manifest))
+        why = not_keepable(cfg.model, setup.kernels)
+        if kept is not None and base is None and why is None:
+            kept.keep(key, adapter, applied)
+        elif kept is not None and why is not None:
+            log.info("model: not kept for the sweep's next job: %s", why)
+    kernels = {**setup.plan.to_dict(), **applied}
     denoiser = Denoiser(adapter, cfg.bcg.scope, cfg.sampler.name, cfg.sampler.steps)
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
     memory.model()

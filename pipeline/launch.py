@@ -11,19 +11,23 @@ from typing import Any
 
 from pipeline.completion import finished as finished_local
 from pipeline.config import JobConfig
+from pipeline.kept_model import KeptModel
 from pipeline.store import fetch_manifest, is_url
 
 
-def launch(job: JobConfig, resolved: dict[str, Any]) -> None:
+def launch(job: JobConfig, resolved: dict[str, Any], kept: KeptModel | None = None) -> None:
+    """`kept`: the model a one-process sweep keeps between its jobs (pipeline.kept_model); a Ray
+    job's shards run in processes of their own."""
     if job.cluster.name == "ray":
         from pipeline.ray_cluster import run_on_ray
 
         run_on_ray(job, resolved)
     else:
-        run_shard(job, resolved)
+        run_shard(job, resolved, kept=kept)
 
 
-def run_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: float = 0.0) -> dict[str, Any]:
+def run_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: float = 0.0,
+              kept: KeptModel | None = None) -> dict[str, Any]:
     """This process's shard of the job; its part's report. A manifest URL is read from its local
     copy; `wait_s`: how long a store's lock may wait for a dead holder's lease (a retried task)."""
     from pipeline.job import run
@@ -33,8 +37,8 @@ def run_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: float = 0
     if is_url(job.output.dir):
         from pipeline.store_job import run_store_shard
 
-        return run_store_shard(job, resolved, wait_s)
-    return run(job, resolved)
+        return run_store_shard(job, resolved, wait_s, kept)
+    return run(job, resolved, kept=kept)
 
 
 def finished(out_dir: str, config: dict[str, Any], contact_sheet: bool) -> bool:

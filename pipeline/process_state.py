@@ -6,7 +6,8 @@ environment variables (the Hugging Face offline flags for a local checkpoint, in
 directory), inductor's choices for this thread (kernels.persistent_reductions), seeds the CPU
 generator (random weights), makes its GPU the current CUDA device, and leaves its compiled code in
 dynamo's caches, where a later model of the same classes passes the guards: it would run the first
-job's compilation and report none of its own. Changes to a model need no undoing: they are made to
+job's compilation and report none of its own (unless the next job takes the model itself,
+pipeline.kept_model). Changes to a model need no undoing: they are made to
 that model's instances (pipeline.kernels).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import operator
 import os
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import importlib
 
@@ -29,9 +30,11 @@ CONFIGS = ("torch._dynamo.config", "torch._inductor.config")  # imported when a 
 
 
 @contextmanager
-def job_scope() -> Iterator[None]:
+def job_scope(keeps_compiled: Callable[[], bool] = lambda: False) -> Iterator[None]:
     """Run the block (one job) with everything above saved on entry and restored on exit, also when
-    it raises. Usable as a decorator: `@job_scope()`."""
+    it raises. Usable as a decorator: `@job_scope()`. `keeps_compiled`, asked at the end: whether the
+    job left its model, compiled code and all, for the next job (pipeline.kept_model), which then
+    drops that code itself when it drops the model."""
     with ExitStack() as stack:
         stack.enter_context(saved_environ())
         stack.enter_context(saved_numerics())
@@ -40,7 +43,7 @@ def job_scope() -> Iterator[None]:
         stack.enter_context(saved_inductor_choices())
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator; CUDA's are seeded per job
         stack.enter_context(saved_cuda_device())
-        stack.enter_context(dropped_compilations())
+        stack.enter_context(dropped_compilations(keeps_compiled))
         yield
 
 
@@ -124,9 +127,9 @@ def saved_cuda_device() -> Iterator[None]:
 
 
 @contextmanager
-def dropped_compilations() -> Iterator[None]:
-    """dynamo's caches emptied at the end (`torch._dynamo.reset`) when the block compiled a graph:
-    the next job's models compile for themselves."""
+def dropped_compilations(keeps_compiled: Callable[[], bool] = lambda: False) -> Iterator[None]:
+    """dynamo's caches emptied at the end (`torch._dynamo.reset`) when the block compiled a graph,
+    unless `keeps_compiled()`: the next job's models compile for themselves."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -134,5 +137,5 @@ def dropped_compilations() -> Iterator[None]:
     try:
         yield
     finally:
-        if counters["stats"]["unique_graphs"] != before:
+        if counters["stats"]["unique_graphs"] != before and not keeps_compiled():
             torch._dynamo.reset()

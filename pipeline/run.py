@@ -4,7 +4,8 @@
 values of the wrong type; in a single run also the composed config: mandatory keys, accepted values,
 a writable output.dir, and what the job would refuse before generating: `pipeline.preflight`), then
 hands it to Hydra, whose task function builds the typed config and calls `pipeline.job.run`. Torch
-and diffusers are imported only once the checks that need neither have passed.
+and diffusers are imported only once the checks that need neither have passed. The jobs of a
+one-process multirun share the model they can (`SWEEP_MODEL`, pipeline.kept_model).
 
 Every outcome a user can act on ends in one line and a status of `pipeline.exit_codes.ExitCode`
 (`--help` lists them); any other exception is a bug and keeps its traceback.
@@ -23,6 +24,7 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -30,6 +32,7 @@ from pipeline.completion import SUCCESS
 from pipeline.config import fill_sampler_defaults, register_configs, resolve_job
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
+from pipeline.kept_model import KeptModel
 from pipeline.launch import finished, launch
 from pipeline.overrides import check_overrides
 from pipeline.paths import CONF_DIR, absolute, check_writable_dir
@@ -56,6 +59,8 @@ def main() -> None:
 
         print(f"error: {Interrupted(signal.SIGINT)}", file=sys.stderr)
         sys.exit(ExitCode.SIGINT)
+    finally:
+        SWEEP_MODEL.drop()  # the sweep is over: its model and dynamo's code for it go
 
 
 def preflight(argv: list[str]) -> None:
@@ -101,6 +106,9 @@ def show_job_config(cfg: DictConfig, resolve: bool) -> None:
     sys.exit(0)
 
 
+SWEEP_MODEL = KeptModel()  # the model a one-process multirun keeps from one job for the next
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
 def run_hydra(cfg: DictConfig) -> None:
     """Hydra's task: one job (each job of a multirun), with user errors as one logged line."""
@@ -118,7 +126,8 @@ def run_hydra(cfg: DictConfig) -> None:
 
             run_bench(job, resolved)
         else:
-            launch(job, resolved)  # this shard, or every shard on a Ray cluster
+            # this shard, or every shard on a Ray cluster; a sweep's jobs share the model they can
+            launch(job, resolved, SWEEP_MODEL if HydraConfig.get().mode == RunMode.MULTIRUN else None)
     except Exception as err:
         outcome = user_outcome(err)
         if outcome is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from pipeline.completion import STATS, SUCCESS, job_key
 from pipeline.config import JobConfig
+from pipeline.kept_model import KeptModel
 from pipeline.report import RunReport
 from pipeline.sharding import ShardSpec
 from pipeline.store import open_store, stage_root, url_dir
@@ -32,9 +33,11 @@ def mirror_of(url: str, shard_name: str) -> Mirror:
     return Mirror(fs, root, url, stage_root() / url_dir(url) / shard_name)
 
 
-def run_store_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: float = 0.0) -> dict[str, Any]:
+def run_store_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: float = 0.0,
+                    kept: KeptModel | None = None) -> dict[str, Any]:
     """`pipeline.job.run` for this shard against a local stage of the store; returns its part.
-    `wait_s`: how long to wait for another holder's lease on this shard to end (a retried task)."""
+    `wait_s`: how long to wait for another holder's lease on this shard to end (a retried task);
+    `kept`: as pipeline.job.run's."""
     from pipeline.job import run
     from pipeline.writer import WriteError
 
@@ -46,7 +49,7 @@ def run_store_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: flo
         log.info("%s: %s pulled %d files of the store into %s", url, shard.name, mirror.pull(), mirror.local)
         mirror.start()
         try:
-            part = run(staged, resolved, store=mirror)
+            part = run(staged, resolved, store=mirror, kept=kept)
         except BaseException:  # stopped or failed: what it committed goes up first, then its error
             error = mirror.stop()
             if error is not None:

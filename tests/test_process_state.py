@@ -172,3 +172,43 @@ def test_multirun_in_one_process_makes_what_separate_processes_make(tmp_path, mo
         assert together[name].keys() == alone[name].keys()
         for key in alone[name]:
             assert together[name][key] == alone[name][key], (name, key)
+
+
+@pytest.mark.slow
+def test_a_sweep_builds_and_compiles_its_model_once_and_makes_what_separate_processes_make(tmp_path, monkeypatch):
+    """`-m bcg/ladder=pow2_8,one_8,pow2_16` with compiled kernels (kernels.compile_scope=norms, the
+    smallest compile) in one process: the first job builds and compiles, the others take its model
+    (`model_kept`) and compile nothing, each job's images are those of the same job alone in a process
+    of its own, and once the sweep ends the process is as before and a new model compiles for itself."""
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 96, 2), ("c", 64, 64, 3)))
+    common = [f"manifest.path={manifest}", "runtime.device=cpu", "runtime.progress=false", "sampler.steps=2",
+              "precision=fp32", "kernels.fuse_residual=true", "kernels.compile=true", "kernels.compile_scope=norms",
+              "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    ladders = ("pow2_8", "one_8", "pow2_16")
+    torch._dynamo.reset()
+    before = process_state()
+    sweep = tmp_path / "sweep"
+    monkeypatch.setattr(sys, "argv", ["pipeline.run", "--config-path", str(REPO / "conf"), "-m", *common,
+                                      f"bcg/ladder={','.join(ladders)}", f"hydra.sweep.dir={sweep}",
+                                      "hydra.sweep.subdir=${hydra.job.num}"])
+    pipeline.run.main()
+    assert changed(before, process_state()) == {}
+
+    def settings(kernels: dict) -> dict:  # the kernels report less its timings and compile counts
+        counts = ("model_kept", "first_pass_s", "compiled_graphs", "compile_s", "cache_hits", "cache_misses",
+                  "cache_bypasses", "tuning_benchmarks")
+        return {k: v for k, v in kernels.items() if k not in counts}
+
+    stats = [json.loads((sweep / str(num) / "stats.json").read_text()) for num in range(len(ladders))]
+    assert "model_kept" not in stats[0]["kernels"] and stats[0]["kernels"]["compiled_graphs"] > 0
+    for later in stats[1:]:
+        assert later["kernels"]["model_kept"] is True and later["kernels"]["compiled_graphs"] == 0
+        assert settings(later["kernels"]) == settings(stats[0]["kernels"])
+
+    alone = run_cli(*common, "bcg/ladder=one_8", f"output.dir={tmp_path / 'alone'}", cwd=REPO)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert job_outputs(tmp_path / "alone")["images"] == job_outputs(sweep / "1")["images"]
+
+    after = run(cpu_job(manifest, tmp_path / "after", "sampler.steps=2", "kernels.fuse_residual=true",
+                        "kernels.compile=true", "kernels.compile_scope=norms"))
+    assert after["kernels"]["compiled_graphs"] > 0  # the sweep's compiled code went with its model

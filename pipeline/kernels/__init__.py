@@ -29,13 +29,14 @@ from pipeline.errors import UserError
 from pipeline.kernels import attention, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm, qkv, text
 from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
-from pipeline.kernels.compile import CONTIGUOUS_HOOK, compile_cache, compile_stats, start_compile_workers
+from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
+                                     start_compile_workers)
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
 from pipeline.plans import KernelSettings
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
-    "decode_in_chunks", "output_kernels", "start_compile_workers", "with_attention",
+    "decode_in_chunks", "output_kernels", "process_settings", "start_compile_workers", "with_attention",
 ]
 
 

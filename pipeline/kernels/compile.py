@@ -151,13 +151,7 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     how = compile_options(mode, tuning, persistent)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
-    import torch._dynamo.config as dynamo_config
-
-    limit = max(dynamo_config.recompile_limit, shapes + 2)
-    dynamo_config.recompile_limit = limit
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
-    for key, value in TRACED_ONCE.items():
-        setattr(dynamo_config, key, value)
+    compile_limits(shapes)
     if scope == "norms":
         return
     owned = hasattr(transformer, "repeated_blocks")  # our own blocks (pipeline.blocks): contiguous, no masks
@@ -172,6 +166,29 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
         transformer.compile(dynamic=dynamic, fullgraph=True, **how)
     log.info("kernels: transformer %s compiled with inductor (mode=%s, tuning %s, %s shapes, no inductor CUDA graphs)",
              scope, mode, tuning, "dynamic" if dynamic else "static")
+
+
+def compile_limits(shapes: int) -> None:
+    """dynamo's recompile limit raised for `shapes` shapes, and TRACED_ONCE: settings of the process
+    (a job puts them back when it ends, pipeline.process_state), set by every job that runs compiled
+    code, whether it compiled it or took it from an earlier job of a sweep (pipeline.kept_model)."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = max(dynamo_config.recompile_limit, shapes + 2)
+    dynamo_config.recompile_limit = limit
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit * 8)
+    for key, value in TRACED_ONCE.items():
+        setattr(dynamo_config, key, value)
+
+
+def process_settings(kernels: KernelSettings, shapes: int) -> None:
+    """What `apply` sets in the process rather than on the model, set again for a model whose kernels
+    an earlier job of this process applied: dynamo's limits, inductor's choices of persistent
+    reductions in this thread (a recompile for a new shape uses both)."""
+    if kernels.compile:
+        compile_limits(shapes)
+        if kernels.persistent_reductions:
+            reductions.compile_options()
 
 
 def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
