@@ -146,8 +146,8 @@ def test_float8_settings_are_flux_s_named_in_the_digest_and_refused_without_floa
         check_kernels(KernelSettings(fp8_norm=True))
     for key in ("fp8", "fp8_attention", "fp8_norm", "split_out_proj", "hoist_modulation", "fuse_qk_norm"):
         settings = KernelSettings(**{key: True, **({"fp8": True} if key == "fp8_norm" else {})})
-        with pytest.raises(UserError, match=rf"kernels.{key}=true: .*model families \['flux'\].*'pixart'"):
-            check_kernels(settings, "pixart")
+        with pytest.raises(UserError, match=rf"kernels.{key}=true: .*model families \[[^\]]*'flux'[^\]]*\].*'dit'"):
+            check_kernels(settings, "dit")
     with pytest.raises(UserError, match="kernels.fp8_attention=true needs a CUDA GPU with float8 tensor cores"):
         check_kernels(KernelSettings(fp8_attention=True), "flux", torch.device("cpu"))
 

@@ -8,7 +8,7 @@ for what diffusers' modules do not compute, the transformer is replaced by the p
 - attention_inputs, fp8_attention: Flux's queries' and keys' norms and rotation, and its float8 attention
 - fp8, fp8_gelu, fp8_norm: float8 numerics, the GELU and the modulated norms writing float8 rows
 - norm: PixArt's fixed Triton layer norm (its own blocks, kernels.fuse_residual)
-- qkv: diffusers' fused projections (PixArt, SD3); text: kernels.trim_text_padding
+- qkv: diffusers' fused projections (PixArt); text: kernels.trim_text_padding
 - compile: inductor (mode, tuning, the cache, the shapes it first compiles, workers, counts);
   reductions: its persistent reductions; decoder: the compiled VAE decoder
 
@@ -64,6 +64,7 @@ FUSE_QK_NORM, FP8_NORM = switch("fuse_qk_norm"), switch("fp8_norm")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 FLUX_BLOCKS = "Flux's own blocks (model families {families}); this model is {family!r}"
+JOINT_BLOCKS = "the own MM-DiT blocks of model families {families} (Flux's, SD3's); this model is {family!r}"
 
 # option -> (the model families it serves, why: "{families}" and "{family}" filled in).
 SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
@@ -75,11 +76,12 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     HOIST_MODULATION: (("flux",), "it precomputes the modulation of " + FLUX_BLOCKS),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
-    FUSE_QK_NORM: (("flux",), "it computes the attention inputs of " + FLUX_BLOCKS),
-    FP8_ATTENTION: (("flux",), "its scales come from the bound of Flux's RMS-normalized queries and keys (model "
-                               "families {families}); this model is {family!r}"),
-    FP8_NORM: (("flux",), "it computes the norms of " + FLUX_BLOCKS),
-    FP8: (("flux",), "its float8 blocks are " + FLUX_BLOCKS),
+    FUSE_QK_NORM: (("flux", "sd3"), "it computes the attention inputs of " + JOINT_BLOCKS),
+    FP8_ATTENTION: (("flux", "sd3"), "its scales come from the bound of RMS-normalized queries and keys (Flux's, "
+                                     "SD3.5's: model families {families}); this model is {family!r}"),
+    FP8_NORM: (("flux", "sd3"), "it computes the norms of " + JOINT_BLOCKS),
+    FP8: (("sd3", "flux"), "its float8 layers are those of the own blocks of model families {families}; "
+                           "this model is {family!r}"),
 }
 
 # (option, option it cannot be combined with, why the first excludes the second)
