@@ -3,7 +3,8 @@ for what diffusers' modules do not compute (pipeline.plans):
 
 - flux: `FluxTransformer` (pipeline.blocks.flux), for any of Flux's block settings;
 - sd3: `SD3Transformer` (pipeline.blocks.sd3), for any of the joint blocks' settings (SD3 and SD3.5);
-- pixart: `PixArtTransformer` (pipeline.blocks.pixart), for kernels.fuse_residual.
+- pixart: `PixArtTransformer` (pipeline.blocks.pixart), for kernels.fuse_residual; with kernels.fp8 its
+  float8 blocks (pipeline.blocks.pixart_fp8).
 
 Flux's and SD3's MM-DiT blocks share their parts (pipeline.blocks.joint).
 
@@ -65,15 +66,24 @@ def own_blocks(settings: KernelSettings, adapter) -> dict:
     if adapter.family == "pixart" and settings.fuse_residual:
         compiled = None
         if settings.compile and settings.compile_scope == "norms":
-            compiled = dict(dynamic=settings.compile_dynamic,
-                            options=compile_options(settings.compile_mode, settings.compile_tuning),
-                            constants_options=compile_options("default", settings.compile_tuning))
-        adapter.transformer = pixart.build(adapter.transformer, settings.fuse_gelu, compiled).eval()
+            compiled = {"dynamic": settings.compile_dynamic,
+                        "options": compile_options(settings.compile_mode, settings.compile_tuning,
+                                                   settings.persistent_reductions),
+                        "constants_options": compile_options("default", settings.compile_tuning)}
+        adapter.transformer = pixart.build(adapter.transformer, settings.fuse_gelu, compiled, settings.fp8).eval()
         cuda = adapter.device.type == "cuda"
         norm = pixart.fixed_norm.SETTING if cuda else "compiled" if compiled else "eager"
-        log.info("kernels: PixArt's own blocks (%d), their residual adds inside the matmuls, layer norms by %s",
-                 len(adapter.transformer.blocks), f"the Triton kernel {norm}" if cuda else f"PyTorch's ops ({norm})")
-        return {"own_blocks": "pixart", "fused_residual_blocks": len(adapter.transformer.blocks), "residual_norm": norm}
+        if settings.fp8:
+            if compiled is None:
+                log.warning(UNFUSED_FP8)
+            log.info("kernels: PixArt's own float8 blocks (%d), their residual adds and layer norms in the kernels "
+                     "that quantize the next layers' rows (%s)", len(adapter.transformer.blocks),
+                     "compiled" if compiled else "PyTorch's ops")
+        else:
+            log.info("kernels: PixArt's own blocks (%d), their residual adds inside the matmuls, layer norms by %s",
+                     len(adapter.transformer.blocks), f"the Triton kernel {norm}" if cuda else f"PyTorch's ops ({norm})")
+        return {"own_blocks": "pixart", "fused_residual_blocks": len(adapter.transformer.blocks), "residual_norm": norm,
+                **({"fp8_blocks": True} if settings.fp8 else {})}
     if settings.fuse_gelu:
         swapped = swap_tanh_gelus(adapter.transformer)
         if not swapped:
