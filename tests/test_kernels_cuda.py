@@ -17,11 +17,13 @@ from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.blocks import pixart
 from pipeline.kernels import apply_kernels, norm
-from pipeline.plans import KernelSettings
+from pipeline.plans import PLANS, KernelSettings
 from pipeline.models import build_model
 from pipeline.precision import apply_precision
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="float8 needs sm89+")
 GPU = ("runtime.device=cuda", "precision=bf16")
 # bf16, tiny demo: compiled (fused, reordered) kernels against eager ones; measured, docs/BENCHMARKS.md
 COMPILED_VS_EAGER_MAX_LEVELS = 16
@@ -92,6 +94,42 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
     print(f"bf16 step vs fp32 step, relative error: {error}")
     assert error["fused"] <= 1.25 * error["diffusers"], error
     assert_replay_equals_eager(fused, key)
+
+
+@needs_fp8
+def test_float8_residual_blocks_replay_bit_identical_and_round_within_float8_of_fast():
+    """kernels.plan=fast-fp8 (the decoder aside): PixArt's float8 blocks, their residual adds, norms and
+    quantizations compiled once for every row count. Replay equals the eager call bit for bit at every
+    bucket; the bf16 step is within float8's rounding of the fp32 step, as far from it as Flux's float8
+    blocks are from bf16 (tests/test_models_cuda.py); a row's float8 rows do not depend on the rows
+    quantized with it (a bucket, a shard, a resumed batch)."""
+    from test_models_cuda import FP8_STEP_REL_ERR
+
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
+    key = (64, 64)
+    exact = build_model(model_config("tiny"), torch.device("cuda"), torch.float32)
+    fast, fp8 = (build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16) for _ in range(2))
+    for model in (fast, fp8):
+        model.transformer.load_state_dict(exact.transformer.state_dict())
+    apply_kernels(PLANS["fast"].resolved(compile_decoder=False), fast, key, shapes=4)
+    report = apply_kernels(PLANS["fast-fp8"].resolved(compile_decoder=False), fp8, key, shapes=4)
+    assert report["fp8_blocks"] and report["compile_scope"] == "norms" and report["reproducible"] is True
+    x = random_inputs(fp8, key, 3)
+    with torch.no_grad():
+        truth = exact.guided_eps({k: v.float() if v.is_floating_point() else v for k, v in x.items()})
+        error = {name: float((model.guided_eps(x).float() - truth).norm() / truth.norm())
+                 for name, model in (("fast", fast), ("fast-fp8", fp8))}
+    print(f"bf16 step vs fp32 step, relative error: {error}")
+    assert error["fast"] < error["fast-fp8"] < FP8_STEP_REL_ERR, error
+    assert_replay_equals_eager(fp8, key)
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows, update = (torch.randn(1003, 1152, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    gate, modulation = (torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16) for shape in ((1152,), (2, 1152)))
+    norm_rows = fp8.transformer.rows.norm
+    whole = norm_rows(rows, update, gate, modulation, 1e-6)
+    for start, stop in ((0, 1), (5, 905), (1000, 1003)):
+        part = norm_rows(rows[start:stop], update[start:stop], gate, modulation, 1e-6)
+        assert all(torch.equal(a.view(torch.uint8), b[start:stop].view(torch.uint8)) for a, b in zip(part, whole))
 
 
 def test_fixed_norm_kernel_rounds_as_the_eager_norm_and_a_row_does_not_depend_on_its_batch():
