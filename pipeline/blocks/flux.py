@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.joint import (FeedForward, JointKernels, activated, check_head_dim, fp8_rows, kernel_attention,
+from pipeline.blocks.joint import (BlockKernels, FeedForward, activated, check_head_dim, fp8_rows, kernel_attention,
                                    modulated_norm, norm_weights, project, projections, residual_ff)
 from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear, linear_of
 from pipeline.errors import UserError
@@ -44,11 +44,17 @@ __all__ = ["FluxKernels", "FluxTransformer", "check_head_dim", "norm_weights"]
 
 
 @dataclass(frozen=True)
-class FluxKernels(JointKernels):
-    """What Flux's own blocks compute with (the kernel plan's Flux settings): the joint blocks' and these."""
+class FluxKernels(BlockKernels):
+    """What Flux's own blocks compute with (the kernel plan's Flux settings): the joint blocks' and its own."""
 
+    fuse_qkv: bool = False
+    fp8: bool = False
+    fuse_gelu: bool = False
     split_out_proj: bool = False
     hoist_modulation: bool = False
+    fuse_qk_norm: bool = False
+    fp8_attention: bool = False
+    fp8_norm: bool = False
 
 
 class Attention(torch.nn.Module):

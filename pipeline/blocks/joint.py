@@ -1,7 +1,8 @@
 """What the project's MM-DiT blocks share (Flux's, pipeline.blocks.flux; SD3's, pipeline.blocks.sd3): their
-kernels as data (`JointKernels`), the modulated layer norms (or their float8 rows), the q|k|v projections,
-the tanh-GELU feed-forward and the residual feed-forward that follows each attention, and the attention
-of RMS-normalized queries and keys by the project's kernels (`kernel_attention`).
+kernels as data (`BlockKernels`: SD3's `JointKernels`, Flux's `FluxKernels`), the modulated layer norms
+(or their float8 rows), the q|k|v projections, the tanh-GELU feed-forward and the residual feed-forward
+that follows each attention, and the attention of RMS-normalized queries and keys by the project's
+kernels (`kernel_attention`).
 
 Each computes diffusers' ops in diffusers' order where its settings are off; which kernels run is fixed
 when a block is built.
@@ -22,16 +23,9 @@ from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
 from pipeline.kernels.fp8 import QuantizedRows
 
 
-@dataclass(frozen=True)
-class JointKernels:
-    """The kernel settings every MM-DiT block of ours reads (pipeline.plans.KernelSettings' names)."""
-
-    fuse_qkv: bool = False
-    fp8: bool = False
-    fuse_gelu: bool = False
-    fuse_qk_norm: bool = False
-    fp8_attention: bool = False
-    fp8_norm: bool = False
+class BlockKernels:
+    """What a dataclass of some of pipeline.plans.KernelSettings' switches (the ones a family's own blocks
+    read) answers."""
 
     @classmethod
     def of(cls, settings):
@@ -46,6 +40,18 @@ class JointKernels:
     def on(self) -> list[str]:
         """The settings that are on, in their order (what the job reports)."""
         return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+@dataclass(frozen=True)
+class JointKernels(BlockKernels):
+    """The kernel settings SD3's blocks read; Flux's read these and their own (pipeline.blocks.flux)."""
+
+    fuse_qkv: bool = False
+    fp8: bool = False
+    fuse_gelu: bool = False
+    fuse_qk_norm: bool = False
+    fp8_attention: bool = False
+    fp8_norm: bool = False
 
 
 def fp8_rows(*layers: torch.nn.Module) -> bool:
@@ -63,7 +69,7 @@ def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None]) + shift[:, None]
 
 
-def projections(layers: list[torch.nn.Linear], kernels: JointKernels) -> torch.nn.ModuleList:
+def projections(layers: list[torch.nn.Linear], kernels: BlockKernels) -> torch.nn.ModuleList:
     """An attention's q, k and v layers: one joined layer (fuse_qkv) or three."""
     if kernels.fuse_qkv:
         return torch.nn.ModuleList([linear(layers, kernels.fp8)])
@@ -138,14 +144,14 @@ def kernel_attention(mode: str, q, k, v, tq, tk, tv, norm_weights: torch.Tensor,
 class FeedForward(torch.nn.Module):
     """diffusers' tanh-GELU FeedForward: down(GELU(up(x))), the GELU where the plan puts it."""
 
-    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, kernels: JointKernels):
+    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, kernels: BlockKernels):
         super().__init__()
         self.down = linear([down], kernels.fp8)
         self.gelu_rows = kernels.fuse_gelu and isinstance(self.down, Fp8Linear) and down.in_features <= fp8_gelu.MAX_COLS
         self.up = linear([up], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
 
     @classmethod
-    def of(cls, ff: torch.nn.Module, kernels: JointKernels) -> "FeedForward":
+    def of(cls, ff: torch.nn.Module, kernels: BlockKernels) -> "FeedForward":
         """Ours of a diffusers FeedForward (net: GELU with its projection, dropout, the down-projection)."""
         return cls(ff.net[0].proj, ff.net[2], kernels)
 
