@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_diffusers import job_config, model_conf
 from benchmarks.bench_engine import bench_device
+from benchmarks.bench_flux import peak_gib, reset_peak, save
 from pipeline.bench import EMBEDDED, comparison, compare_images, diffusers_baseline
 from pipeline.blocks import owns_blocks
 from pipeline.compare import compare
@@ -90,7 +91,6 @@ SEED = 100  # row k's seed: SEED + k, on both sides
 WARMUP_STEPS = 2  # diffusers' untimed first call
 DEFAULTS = {"batches": [1, 8], "precisions": ["bf16", "fp8"]}
 SMOKE = {"batches": [1, 2], "steps": 2, "precisions": ["fp32"]}
-GIB = 2**30
 
 log = logging.getLogger("bench_families")
 
@@ -129,16 +129,6 @@ def write_manifest(rows: list[Item], path: Path) -> Path:
     pq.write_table(pa.Table.from_pylist([{k: v for k, v in it.fields().items() if k != "negative_prompt"}
                                          for it in rows]), path)
     return path
-
-
-def peak_gib(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated(device) / GIB, 2) if device.type == "cuda" else None
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def diffusers_case(base, rows: list[Item], steps: int, guidance: float, batch: int, device: torch.device):
@@ -223,11 +213,6 @@ def family_stage(name: str, args, device: torch.device, results: dict) -> None:
     free_memory()
 
 
-def save(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
-
-
 def _x(value, fmt: str = "") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -287,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cpu") if args.smoke else bench_device()
     if args.smoke:
         apply_precision("fp32", tf32=False, cudnn_benchmark=False)
-    results = {"environment": environment(device, args, torch.float32 if args.smoke else torch.bfloat16), "families": {}}
+    environ = environment(device, args, torch.float32 if args.smoke else torch.bfloat16)
+    results = {"environment": {k: str(v) if isinstance(v, Path) else v for k, v in environ.items()}, "families": {}}
     start = time.perf_counter()
     for name in args.families:
         family_stage(name, args, device, results)

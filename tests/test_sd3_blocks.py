@@ -16,12 +16,11 @@ from pipeline.blocks.joint import JointKernels
 from pipeline.blocks.layers import Fp8Linear, Linear
 from pipeline.blocks.sd3 import SD3Transformer
 from pipeline.errors import UserError
-from pipeline.kernels import check_kernels, compile_stats, output_kernels
+from pipeline.kernels import check_kernels, output_kernels
 from pipeline.kernels.attention import FP8_ATTENTION_OP, probe_attention
-from pipeline.kernels.compile import compile_transformer
 from pipeline.models import build_model
 from pipeline.plans import KernelSettings
-from test_flux_blocks import FP8_STEP_REL_ERR, rel_err
+from test_flux_blocks import FP8_STEP_REL_ERR, float8_steps, regional_compile_steps, rel_err
 from test_kernels import random_inputs
 
 MODELS = ("tiny_sd3", "tiny_sd35_large", "tiny_sd35_medium")
@@ -92,21 +91,7 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     each giving the step the layers' own quantization gives (the same bytes); float8 attention writes its
     rows for the out-projections and serves every attention; the step stays close to fp32. SD3's attentions,
     without q/k norms, keep SDPA under fp8_attention, and the job's report says so."""
-    sd3 = sd3_model("tiny_sd35_medium")
-    x = random_inputs(sd3)
-    with torch.no_grad():
-        reference = sd3.guided_eps(x)
-    base = {"fp8": True, "fuse_qkv": True}
-    steps = {}
-    for name, extra in (("layers", {}), ("gelu", {"fuse_gelu": True}), ("norm", {"fp8_norm": True}),
-                        ("attention", {"fp8_attention": True}),
-                        ("all", {"fuse_gelu": True, "fp8_norm": True, "fp8_attention": True})):
-        ours = owned(sd3, **base, **extra)
-        with torch.no_grad():
-            steps[name] = ours.guided_eps(x)
-            if name == "all":
-                calls = probe_attention(lambda: ours.guided_eps(x))
-        assert rel_err(steps[name], reference) < FP8_STEP_REL_ERR, name
+    steps, ours, calls = float8_steps(sd3_model("tiny_sd35_medium"), owned, {"fp8": True, "fuse_qkv": True})
     t = ours.transformer
     blocks, dual = len(t.blocks), sum(b.attn2 is not None for b in t.blocks)
     layers = [m for m in t.modules() if isinstance(m, Fp8Linear)]
@@ -152,25 +137,9 @@ def test_own_blocks_compile_one_graph_per_block_kind_and_compute_the_eager_step(
     graph per kind of block (with a second attention, plain, the last), each traced once, for every
     resolution and batch (CFG's [negative; positive] rows: never a batch of one); the compiled step is the
     eager one's."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    from pipeline.process_state import job_scope
-
     sd3 = sd3_model("tiny_sd35_medium")
     settings = {"fuse_qkv": True, "fuse_qk_norm": True}
-    eager, ours = owned(sd3, **settings), owned(sd3, **settings)
-    with job_scope():
-        torch._dynamo.reset()
-        before = compile_stats()
-        compile_transformer(ours.transformer, "default", "fixed", shapes=2, dynamic=True, scope="blocks")
-        outs = []
-        for side, n in ((32, 1), (64, 1), (64, 3)):
-            x = random_inputs(ours, side, n)
-            with torch.no_grad():
-                outs.append((ours.guided_eps(x), eager.guided_eps(x)))
-        attempts = {name: len(times) for name, times in compilation_time_metrics.items()
-                    if name.startswith("compile_attempt_")}
-        graphs = compile_stats(since=before)["compiled_graphs"]
+    outs, attempts, graphs = regional_compile_steps(owned(sd3, **settings), owned(sd3, **settings))
     assert graphs == 3, graphs  # dual, plain, last
     assert attempts == {"compile_attempt_0": 3}, attempts
     for compiled, reference in outs:
