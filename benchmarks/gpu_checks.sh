@@ -24,6 +24,10 @@
 #                                                # jobs/manifests/flux_1024.parquet: diffusers' FluxPipeline saved once
 #                                                # per batch size, then our job against it: bf16 and precision=fp8 at
 #                                                # batch 1, precision=fp8 at batch 4; float8 images against bf16's
+#   bash benchmarks/gpu_checks.sh families       # the SD3 and PixArt-float8 cuda tests, then bench_families.py (FAMILIES_PLANS: the plans named, default sd3 sd3-fp8 fast-fp8), one process
+#                                                # per family (FAMILIES="sd3_medium sd35_large ..."; FAMILIES_ARGS="--batches 1"
+#                                                # etc.): the seed's table, diffusers' pipeline and our job at batch 1 and 8,
+#                                                # native size, bf16 and precision=fp8: img/s, ratio, peak memory, PSNR
 #   bash benchmarks/gpu_checks.sh kernels-1024   # bench_kernels.py at 1024 px, 8 prompts: a CFG step's ms and share of
 #                                                # the matmul rate per kernel variant, time by kernel category, top
 #                                                # kernels (KERNEL_VARIANTS="cudnn cudnn+fuse ..." for others;
@@ -162,6 +166,18 @@ flux_job() {  # the product's command on FLUX.1-dev: its default plans, bf16 and
   fi
 }
 
+families() {  # the seed's table: every family's diffusers pipeline and our job, batch 1 and 8, its native size
+  timeout -s KILL ${FAMILIES_TESTS_LIMIT:-300} python3 -m pytest -p no:cacheprovider -v -rs -s -m cuda tests/test_models_cuda.py tests/test_kernels_cuda.py -k "sd3 or float8_residual" > "$BENCH_OUT/pytest_families_cuda.log" 2>&1; local code=$?
+  echo "== SD3 and PixArt float8 cuda tests"; rc $code; grep -E "PASSED|FAILED|ERROR|SKIPPED|relative error" "$BENCH_OUT/pytest_families_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -1 "$BENCH_OUT/pytest_families_cuda.log"
+  for family in ${FAMILIES:-pixart_sigma sd3_medium sd35_large flux_dev dit_xl_2_256}; do
+    rm -f "$BENCH_OUT/families_$family.json"
+    timeout -s KILL ${FAMILIES_LIMIT:-540} python3 benchmarks/bench_families.py --families $family --plans ${FAMILIES_PLANS:-sd3 sd3-fp8 fast-fp8} ${FAMILIES_ARGS:-} --work /tmp/bench-families --out "$BENCH_OUT/families_$family.json" > "$BENCH_OUT/families_$family.log" 2>&1; code=$?
+    echo "== families: $family ${FAMILIES_ARGS:-}"; rc $code
+    [ -f "$BENCH_OUT/families_$family.json" ] && python3 benchmarks/bench_families.py --report "$BENCH_OUT/families_$family.json" | cut -c1-400
+    tail_if_failed $code "$BENCH_OUT/families_$family.log"
+  done
+}
+
 kernels_1024() {
   timeout -s KILL ${KERNELS_LIMIT:-200} python3 benchmarks/bench_kernels.py --iters 8 --no-scopes --profile ${TEXT_TOKENS:+--text-tokens $TEXT_TOKENS} --variants ${KERNEL_VARIANTS:-cudnn cudnn+compile+blocks cudnn+compile+static} --out "$BENCH_OUT/bench_kernels.json" > "$BENCH_OUT/bench_kernels.log" 2>&1; kernels_rc=$?
   echo "== kernels 1024 px, 8 prompts"; rc $kernels_rc; grep -E "^\||TFLOP|Error|^Top|^  " "$BENCH_OUT/bench_kernels.log" | cut -c1-160
@@ -293,6 +309,7 @@ for what in "${@:-cuda-tests}"; do
     bench-200) bench_200 ;;
     flux) flux ;;
     flux-job) flux_job ;;
+    families) families ;;
     kernels-1024) kernels_1024 ;;
     kernels-512) kernels_512 ;;
     baseline-1000) baseline_1000 ;;

@@ -3,7 +3,8 @@
 The baseline is what a user without this tool would write: the manifest grouped by resolution, then
 `bench.baseline_batch` prompts per pipeline call (the last call of a resolution smaller), one
 generator per row, images returned as PIL (not saved), in the family's own diffusers pipeline. PixArt
-and SD3 get prompts (the pipeline encodes them); Flux gets prompt embeddings encoded before its clock
+and SD3 get prompts (the pipeline encodes them), DiT class labels (benchmarks/bench_families.py; the
+job compares the text families); Flux gets prompt embeddings encoded before its clock
 starts (FluxPipeline with guidance_scale and, with sampler.true_cfg_scale, true CFG over negative
 embeddings), so its text encoding is excluded, as in our job with model.offload_text_encoder=true.
 It runs first, on the untouched model; then
@@ -56,6 +57,7 @@ BENCH = "bench.json"
 BASELINE_DIR = "baseline"  # bench.baseline_only: the baseline's images that our job is compared on
 TEXT_FAMILIES = ("pixart", "sd3", "flux")
 EMBEDDED = ("flux",)  # families whose baseline is given prompt embeddings (text encoding outside the clock)
+PROMPTED = ("pixart", "sd3")  # families whose baseline is given the prompts' text (it encodes them)
 ENCODE_CHUNK = 16
 
 
@@ -153,8 +155,9 @@ def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, bat
     """-> (timing, {id: uint8 image} for the first `references` rows of every resolution)."""
     pipe = to_diffusers(adapter)
     pipe.set_progress_bar_config(disable=True)
-    extra = {"use_resolution_binning": False, "clean_caption": False, "max_sequence_length": adapter.max_sequence_length} \
-        if adapter.family == "pixart" else {}
+    extra = {"use_resolution_binning": False, "clean_caption": False} if adapter.family == "pixart" else {}
+    if adapter.family in PROMPTED:  # the T5 length our encoder uses (the pipeline's default otherwise)
+        extra["max_sequence_length"] = adapter.max_sequence_length
     if adapter.family in EMBEDDED and true_cfg_scale > 1:
         extra["true_cfg_scale"] = true_cfg_scale
     embeddings = prompt_embeddings(adapter, items, true_cfg_scale > 1) if adapter.family in EMBEDDED else None
@@ -167,8 +170,8 @@ def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, bat
         for first in range(0, len(group), batch):
             rows = group[first:first + batch]
             images = pipe(
-                **baseline_prompts(rows, embeddings, "true_cfg_scale" in extra),
-                height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
+                **baseline_inputs(pipe, adapter.family, rows, embeddings, "true_cfg_scale" in extra, h, w),
+                num_inference_steps=steps, guidance_scale=guidance,
                 generator=[torch.Generator("cpu").manual_seed(it.seed) for it in rows],
                 output_type="pil", **extra,
             ).images
@@ -195,6 +198,14 @@ def prompt_embeddings(adapter: Adapter, items, negatives: bool) -> dict[str, dic
         encoded = adapter.encode(chunk)
         out.update({text: {name: t[i] for name, t in encoded.items()} for i, text in enumerate(chunk)})
     return out
+
+
+def baseline_inputs(pipe, family: str, rows, embeddings: dict | None, negatives: bool, height: int, width: int) -> dict:
+    """One baseline call's inputs: DiTPipeline's class labels (it generates at its native size only),
+    else the prompts (`baseline_prompts`) and the size."""
+    if family == "dit":
+        return {"class_labels": pipe.get_label_ids([it.prompt for it in rows])}
+    return {**baseline_prompts(rows, embeddings, negatives), "height": height, "width": width}
 
 
 def baseline_prompts(rows, embeddings: dict | None, negatives: bool) -> dict:

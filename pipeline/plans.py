@@ -101,7 +101,15 @@ _FLUX = {"compile": True, "compile_scope": "blocks", "fuse_gelu": True, "split_o
          "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, "compile_decoder": True,
          "decode_chunk": 1}
 _FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
+# SD3's as Flux's where they apply (no single-stream blocks to split, a modulation a fraction of a step)
+_SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_gelu": True, "persistent_reductions": True,
+        "fuse_qk_norm": True, "compile_decoder": True, "decode_chunk": 1}
+_SD3_FP8 = {**_SD3, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
+_FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "compile_decoder": True}
+# the float8 blocks' row functions (residual adds, norms, quantizations) compiled, each one kernel
+_FAST_FP8 = {**_FAST, "fp8": True, "compile": True, "compile_scope": "norms", "persistent_reductions": True}
 _EPILOGUE = "the GELU runs in cuBLASLt's epilogue, which only CUDA has"
+_FP8_CORES = "float8 tensor cores (sm89+)"
 
 PLANS: dict[str, Plan] = {
     "eager": Plan("diffusers' modules on PyTorch's own kernels, nothing compiled", FAMILIES),
@@ -109,17 +117,26 @@ PLANS: dict[str, Plan] = {
                      _COMPILED),
     "fast": Plan("PixArt's own blocks with the residual adds in the matmuls, the GELU in the up-projection's "
                  "epilogue, a fixed Triton layer norm and cuDNN attention; nothing compiled but the decoder",
-                 ("pixart",), {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "compile_decoder": True},
-                 cuda_only=_EPILOGUE),
+                 ("pixart",), _FAST, cuda_only=_EPILOGUE),
+    "fast-fp8": Plan("PixArt's own blocks with float8 linear layers, each residual add and layer norm in the kernel "
+                     "that quantizes the next layers' rows (compiled once for every row count), the GELU in the "
+                     "down-projection's quantization, cuDNN attention; the decoder compiled", ("pixart",), _FAST_FP8,
+                     cuda_only=_FP8_CORES, float8=True),
+    "sd3": Plan("SD3's own joint blocks compiled once for every shape: the GELU in the up-projection's epilogue, SD3.5's "
+                "queries' and keys' norms in one kernel, cuDNN attention; the decoder compiled", ("sd3",), _SD3,
+                cuda_only=_EPILOGUE),
+    "sd3-fp8": Plan("the sd3 plan with float8 linear layers, norms writing float8 rows, fused q|k|v projections and, "
+                    "where the queries and keys are RMS-normalized (SD3.5), float8 attention", ("sd3",), _SD3_FP8,
+                    cuda_only=_FP8_CORES, float8=True),
     "flux": Plan("Flux's own blocks compiled once for every shape: the GELU in the up-projection's epilogue, the "
                  "single blocks' out-projection split, the modulation once per batch, the queries' and keys' norms "
                  "and rotation in one kernel; the decoder compiled", ("flux",), _FLUX, cuda_only=_EPILOGUE),
     "flux-fp8": Plan("the flux plan with float8 linear layers, float8 attention and norms writing float8 rows, "
-                     "fused q|k|v projections", ("flux",), _FLUX_FP8, cuda_only="float8 tensor cores (sm89+)",
-                     float8=True),
+                     "fused q|k|v projections", ("flux",), _FLUX_FP8, cuda_only=_FP8_CORES, float8=True),
 }
 
-# (family, float8) -> the plan `kernels.plan=auto` picks on CUDA (on a CPU: eager, and no float8)
+# (family, float8) -> the plan `kernels.plan=auto` picks on CUDA (on a CPU: eager, and no float8). Only
+# plans whose cuda tests and benchmarks have run on a GPU (docs/BENCHMARKS.md); the others are chosen by name.
 DEFAULT_PLANS: dict[tuple[str, bool], str] = {
     ("pixart", False): "fast",
     ("sd3", False): "compiled",
@@ -127,9 +144,10 @@ DEFAULT_PLANS: dict[tuple[str, bool], str] = {
     ("flux", False): "flux",
     ("flux", True): "flux-fp8",
 }
+NOT_YET_MEASURED = "has not run on a GPU yet: name it to try it"
 FP8_REFUSALS = {  # family -> why `precision=fp8` has no plan for it
-    "pixart": "its float8 blocks are measured slower than its bf16 plan (`fast`)",
-    "sd3": "it has no float8 blocks yet",
+    "pixart": f"its float8 plan {NOT_YET_MEASURED} (precision=fp8 kernels.plan=fast-fp8)",
+    "sd3": f"its float8 plan {NOT_YET_MEASURED} (precision=fp8 kernels.plan=sd3-fp8)",
     "dit": "it has no float8 blocks yet",
 }
 
@@ -164,8 +182,8 @@ def default_plan(family: str, device_type: str, float8: bool) -> str:
     if float8 and (family, True) not in DEFAULT_PLANS:
         why = FP8_REFUSALS.get(family, "it has no float8 plan")
         with_fp8 = sorted(f for f, fp8 in DEFAULT_PLANS if fp8)
-        raise UserError(f"precision=fp8 is not offered for model family {family!r}: {why}; float8 plans exist for "
-                         f"{with_fp8}; choose precision=bf16")
+        raise UserError(f"precision=fp8 is not offered for model family {family!r}: {why}; kernels.plan=auto picks "
+                         f"a float8 plan for {with_fp8}; choose precision=bf16")
     if device_type != "cuda":
         return "eager"
     return DEFAULT_PLANS.get((family, float8), "eager")

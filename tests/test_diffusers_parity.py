@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_job, job_config, png, write_manifest
+from conftest import cpu_job, job_config, model_config, png, write_manifest
 from pipeline.job import run
 from pipeline.models import build_model, save_diffusers
 from pipeline.precision import apply_precision
@@ -36,7 +36,8 @@ GUIDANCE = 4.5
 PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1, "dit": 1, "flux_dev": 1,
                    "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1,
                    "flux_dev_own_blocks": 1, "flux_dev_hoist_modulation": 1, "flux_dev_step_hoist_modulation": 1,
-                   "flux_schnell_hoist_modulation": 1, "flux_true_cfg_hoist_modulation": 1}
+                   "flux_schnell_hoist_modulation": 1, "flux_true_cfg_hoist_modulation": 1, "sd35_large": 1,
+                   "sd35_medium": 1, "sd35_medium_own_blocks": 1}
 
 TEXT_ROWS = [  # two sizes, >= 2 rows each; some rows with a negative prompt, some with the default ""
     dict(id="a", prompt="A Cat on a mat ", width=64, height=64, seed=1, negative_prompt="blurry"),
@@ -69,6 +70,13 @@ CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffu
     "sd3": ("tiny_sd3", (), (), TEXT_ROWS, {}),
     # bcg.scope=step: our graph-safe flow-matching Euler instead of diffusers' scheduler object
     "sd3_step": ("tiny_sd3", (), ("bcg.scope=step",), TEXT_ROWS, {}),
+    # SD3.5 Large-like (q/k RMS norms) and Medium-like (MMDiT-X: a second, image-only attention in its first block)
+    "sd35_large": ("tiny_sd35_large", (), (), TEXT_ROWS, {}),
+    "sd35_medium": ("tiny_sd35_medium", (), (), TEXT_ROWS, {}),
+    # SD3's own blocks (pipeline/blocks/sd3.py) with the exact settings the CPU runs: q|k|v joined, the
+    # queries' and keys' norm op (the text tokens first)
+    "sd35_medium_own_blocks": ("tiny_sd35_medium", (), ("kernels.fuse_qkv=true", "kernels.fuse_qk_norm=true"),
+                               TEXT_ROWS, {}),
     "dit": ("tiny_dit", (), (), DIT_ROWS, {}),
     # FLUX.1-dev-like (guidance embedding, resolution-dependent shift) and FLUX.1-schnell-like
     "flux_dev": ("tiny_flux", FLUX_DEV[0], FLUX_DEV[1], FLUX_ROWS, FLUX_DEV[2]),
@@ -115,7 +123,8 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
     asked = [o.removeprefix("kernels.").removesuffix("=true") for o in job_overrides if o.startswith("kernels.")]
     if asked:  # the case compares our own blocks with diffusers' pipeline, not diffusers' blocks with it
         kernels = report["kernels"]
-        assert kernels["own_blocks"] == "flux" and sorted(kernels["own_block_settings"]) == sorted(asked)
+        assert kernels["own_blocks"] == model_config(model).family, kernels
+        assert sorted(kernels["own_block_settings"]) == sorted(asked)
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
     reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32, **reference_kwargs)
     worst = 0

@@ -99,6 +99,25 @@ def test_hoisted_modulation_gives_every_step_what_the_step_computed(true_cfg):
     assert all(torch.equal(alone(k)["pooled"][0], per_step(k)["pooled"][1]) for k in range(len(timesteps)))
 
 
+def float8_steps(adapter, own, base: dict) -> tuple[dict, object, dict]:
+    """The adapter's step (random inputs) on its own float8 blocks (`own(adapter, **settings)`) with `base`
+    and each kernel that hands the float8 layers their rows (the GELU's, the norms', the attention's), then
+    all of them -> ({variant: step}, the last variant's adapter, its attention calls by backend); every step
+    within FP8_STEP_REL_ERR of the model's own fp32 step."""
+    x = random_inputs(adapter)
+    with torch.no_grad():
+        reference = adapter.guided_eps(x)
+    steps = {}
+    for name, extra in (("layers", {}), ("gelu", {"fuse_gelu": True}), ("norm", {"fp8_norm": True}),
+                        ("attention", {"fp8_attention": True}),
+                        ("all", {"fuse_gelu": True, "fp8_norm": True, "fp8_attention": True})):
+        ours = own(adapter, **base, **extra)
+        with torch.no_grad():
+            steps[name] = ours.guided_eps(x)
+        assert rel_err(steps[name], reference) < FP8_STEP_REL_ERR, name
+    return steps, ours, probe_attention(lambda: ours.guided_eps(x))
+
+
 def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     """Float8 blocks on the tiny Flux (the CPU runs torch's emulated float8 matmul and each kernel's
     torch reference): every block linear layer is float8 (the modulation stays in the model's dtype);
@@ -107,20 +126,7 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     (the norms' and the GELU's: the same bytes; the attention's rows: its own scale); every attention
     goes through the float8 op; the step stays close to fp32."""
     flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
-    x = random_inputs(flux)
-    with torch.no_grad():
-        reference = flux.guided_eps(x)
-    base = {"fp8": True, "fuse_qkv": True, "split_out_proj": True}
-    steps = {}
-    for name, extra in (("layers", {}), ("gelu", {"fuse_gelu": True}), ("norm", {"fp8_norm": True}),
-                        ("attention", {"fp8_attention": True}),
-                        ("all", {"fuse_gelu": True, "fp8_norm": True, "fp8_attention": True})):
-        ours = owned(flux, **base, **extra)
-        with torch.no_grad():
-            steps[name] = ours.guided_eps(x)
-            if name == "all":
-                calls = probe_attention(lambda: ours.guided_eps(x))
-        assert rel_err(steps[name], reference) < FP8_STEP_REL_ERR, name
+    steps, ours, calls = float8_steps(flux, owned, {"fp8": True, "fuse_qkv": True, "split_out_proj": True})
     t = ours.transformer
     layers = [m for m in t.modules() if isinstance(m, Fp8Linear)]
     # a double block: q|k|v and the text's, 2 out-projections, 2 feed-forwards (up, down); a single block: q|k|v,
@@ -146,8 +152,8 @@ def test_float8_settings_are_flux_s_named_in_the_digest_and_refused_without_floa
         check_kernels(KernelSettings(fp8_norm=True))
     for key in ("fp8", "fp8_attention", "fp8_norm", "split_out_proj", "hoist_modulation", "fuse_qk_norm"):
         settings = KernelSettings(**{key: True, **({"fp8": True} if key == "fp8_norm" else {})})
-        with pytest.raises(UserError, match=rf"kernels.{key}=true: .*model families \['flux'\].*'pixart'"):
-            check_kernels(settings, "pixart")
+        with pytest.raises(UserError, match=rf"kernels.{key}=true: .*model families \[[^\]]*'flux'[^\]]*\].*'dit'"):
+            check_kernels(settings, "dit")
     with pytest.raises(UserError, match="kernels.fp8_attention=true needs a CUDA GPU with float8 tensor cores"):
         check_kernels(KernelSettings(fp8_attention=True), "flux", torch.device("cpu"))
 
@@ -178,13 +184,24 @@ def test_own_blocks_compile_one_graph_per_block_kind_traced_once_and_compute_the
     modulation included): one graph for the double blocks and one for the single ones, each traced once,
     whose step is the eager one's; a second shape and batch of more than one row add only the batch's
     graphs (dynamo compiles a batch of 1 apart)."""
+    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
+    settings = {"split_out_proj": True, "hoist_modulation": True, "fuse_qk_norm": True, "fuse_qkv": True}
+    outs, attempts, graphs = regional_compile_steps(owned(flux, **settings), owned(flux, **settings),
+                                                    lambda x: x["pooled"].normal_())
+    assert graphs == 4, graphs  # (double, single) x (a batch of 1, more)
+    assert attempts == {"compile_attempt_0": 4}, attempts
+    for compiled, reference in outs:
+        assert rel_err(compiled, reference) < 1e-4
+
+
+def regional_compile_steps(eager, ours, prepare=lambda x: None) -> tuple[list, dict, int]:
+    """`ours`'s blocks compiled as a plan compiles them (regional, dynamic sizes, fixed tuning), then its
+    step and `eager`'s at 32 px with 1 row, 64 px with 1 and with 3 (random inputs, `prepare`d) -> ([(compiled,
+    eager)], compile attempts by name, graphs dynamo compiled)."""
     from torch._dynamo.utils import compilation_time_metrics
 
     from pipeline.process_state import job_scope
 
-    flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
-    settings = {"split_out_proj": True, "hoist_modulation": True, "fuse_qk_norm": True, "fuse_qkv": True}
-    eager, ours = owned(flux, **settings), owned(flux, **settings)
     with job_scope():
         torch._dynamo.reset()
         before = compile_stats()
@@ -192,13 +209,9 @@ def test_own_blocks_compile_one_graph_per_block_kind_traced_once_and_compute_the
         outs = []
         for side, n in ((32, 1), (64, 1), (64, 3)):
             x = random_inputs(ours, side, n)
-            x["pooled"].normal_()
+            prepare(x)
             with torch.no_grad():
                 outs.append((ours.guided_eps(x), eager.guided_eps(x)))
         attempts = {name: len(times) for name, times in compilation_time_metrics.items()
                     if name.startswith("compile_attempt_")}
-        graphs = compile_stats(since=before)["compiled_graphs"]
-    assert graphs == 4, graphs  # (double, single) x (a batch of 1, more)
-    assert attempts == {"compile_attempt_0": 4}, attempts
-    for compiled, reference in outs:
-        assert rel_err(compiled, reference) < 1e-4
+        return outs, attempts, compile_stats(since=before)["compiled_graphs"]

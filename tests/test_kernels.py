@@ -239,26 +239,6 @@ def test_fused_projections_compute_the_same_and_are_a_setting(tiny, tmp_path):
         run(cpu_job(manifest, tmp_path / "out", "kernels.fuse_qkv=true"))
 
 
-def test_fused_projections_in_sd3_compute_the_same():
-    sd3 = build_model(model_config("tiny_sd3"), torch.device("cpu"), torch.float32)
-    x = random_inputs(sd3)
-    with torch.no_grad():
-        reference = sd3.guided_eps(x)
-    report = apply_kernels(KernelSettings(fuse_qkv=True), sd3, None, shapes=1)
-    assert report["fused_attention_layers"] == len(sd3.transformer.transformer_blocks)
-    with torch.no_grad():
-        out = sd3.guided_eps(x)
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-
-
-def test_fused_projections_are_refused_where_diffusers_fused_sd3_attention_would_differ():
-    cfg = model_config("tiny_sd3")
-    cfg.arch["transformer"]["qk_norm"] = "rms_norm"  # SD3.5's q/k norm, which the fused processor skips
-    sd35 = build_model(cfg, torch.device("cpu"), torch.float32)
-    with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: diffusers' fused SD3 attention ignores q/k norms"):
-        apply_kernels(KernelSettings(fuse_qkv=True), sd35, None, shapes=1)
-
-
 def test_fused_projections_are_refused_where_diffusers_has_none(tmp_path):
     dit = build_model(model_config("tiny_dit"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match=r"kernels.fuse_qkv=true: .*\['pixart', 'sd3', 'flux'\], not 'dit'"):

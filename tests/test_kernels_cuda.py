@@ -17,11 +17,13 @@ from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.blocks import pixart
 from pipeline.kernels import apply_kernels, norm
-from pipeline.plans import KernelSettings
+from pipeline.plans import PLANS, KernelSettings
 from pipeline.models import build_model
 from pipeline.precision import apply_precision
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="float8 needs sm89+")
 GPU = ("runtime.device=cuda", "precision=bf16")
 # bf16, tiny demo: compiled (fused, reordered) kernels against eager ones; measured, docs/BENCHMARKS.md
 COMPILED_VS_EAGER_MAX_LEVELS = 16
@@ -75,23 +77,58 @@ def test_fused_residual_block_replays_bit_identical_and_rounds_no_worse_than_dif
     """kernels.fuse_residual (the fast plan's own blocks; `compiled`: its per-step constants compiled too):
     replay equals the eager call bit for bit at every bucket; in bf16 the step is no further from the
     fp32 step than diffusers' own bf16 block is."""
-    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     key = (64, 64)
+    fused = KernelSettings(attention="cudnn", fuse_residual=True, compile=compiled, compile_scope="norms",
+                           compile_mode="coordinate-descent")
+    models, reports, error = bf16_errors({"diffusers": None, "fused": fused}, key)
+    assert reports["fused"]["residual_norm"] == norm.SETTING
+    assert error["fused"] <= 1.25 * error["diffusers"], error
+    assert_replay_equals_eager(models["fused"], key)
+
+
+def bf16_errors(kernels: dict[str, KernelSettings | None], key: tuple[int, int]) -> tuple[dict, dict, dict]:
+    """The tiny PixArt in bf16 with each name's kernels (None: diffusers' own), the same weights as an fp32
+    one -> (models, what apply_kernels reported, each one's step on 3 random rows against the fp32 step,
+    relative error)."""
+    apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     exact = build_model(model_config("tiny"), torch.device("cuda"), torch.float32)
-    plain, fused = (build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16) for _ in range(2))
-    for model in (plain, fused):
-        model.transformer.load_state_dict(exact.transformer.state_dict())
-    report = apply_kernels(KernelSettings(attention="cudnn", fuse_residual=True, compile=compiled, compile_scope="norms",
-                                         compile_mode="coordinate-descent"), fused, key, shapes=4)
-    assert report["residual_norm"] == norm.SETTING
-    x = random_inputs(fused, key, 3)
+    models, reports = {}, {}
+    for name, settings in kernels.items():
+        models[name] = build_model(model_config("tiny"), torch.device("cuda"), torch.bfloat16)
+        models[name].transformer.load_state_dict(exact.transformer.state_dict())
+        reports[name] = apply_kernels(settings, models[name], key, shapes=4) if settings is not None else {}
+    x = random_inputs(next(iter(models.values())), key, 3)  # the bf16 inputs, given to the fp32 model as they are
     with torch.no_grad():
         truth = exact.guided_eps({k: v.float() if v.is_floating_point() else v for k, v in x.items()})
-        error = {name: float((model.guided_eps(x).float() - truth).norm() / truth.norm())
-                 for name, model in (("diffusers", plain), ("fused", fused))}
+        error = {name: float((model.guided_eps(x).float() - truth).norm() / truth.norm()) for name, model in models.items()}
     print(f"bf16 step vs fp32 step, relative error: {error}")
-    assert error["fused"] <= 1.25 * error["diffusers"], error
-    assert_replay_equals_eager(fused, key)
+    return models, reports, error
+
+
+@needs_fp8
+def test_float8_residual_blocks_replay_bit_identical_and_round_within_float8_of_fast():
+    """kernels.plan=fast-fp8 (the decoder aside): PixArt's float8 blocks, their residual adds, norms and
+    quantizations compiled once for every row count. Replay equals the eager call bit for bit at every
+    bucket; the bf16 step is within float8's rounding of the fp32 step, as far from it as Flux's float8
+    blocks are from bf16 (tests/test_models_cuda.py); a row's float8 rows do not depend on the rows
+    quantized with it (a bucket, a shard, a resumed batch)."""
+    from test_models_cuda import FP8_STEP_REL_ERR
+
+    key = (64, 64)
+    plans = {name: PLANS[name].resolved(compile_decoder=False) for name in ("fast", "fast-fp8")}
+    models, reports, error = bf16_errors(plans, key)
+    report, fp8 = reports["fast-fp8"], models["fast-fp8"]
+    assert report["fp8_blocks"] and report["compile_scope"] == "norms" and report["reproducible"] is True
+    assert error["fast"] < error["fast-fp8"] < FP8_STEP_REL_ERR, error
+    assert_replay_equals_eager(fp8, key)
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows, update = (torch.randn(1003, 1152, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    gate, modulation = (torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16) for shape in ((1152,), (2, 1152)))
+    norm_rows = fp8.transformer.rows.norm
+    whole = norm_rows(rows, update, gate, modulation, 1e-6)
+    for start, stop in ((0, 1), (5, 905), (1000, 1003)):
+        part = norm_rows(rows[start:stop], update[start:stop], gate, modulation, 1e-6)
+        assert all(torch.equal(a.view(torch.uint8), b[start:stop].view(torch.uint8)) for a, b in zip(part, whole))
 
 
 def test_fixed_norm_kernel_rounds_as_the_eager_norm_and_a_row_does_not_depend_on_its_batch():

@@ -20,9 +20,10 @@ from pipeline.prompts import PromptCache, planned_prompts, prompt_cache
 
 CPU = torch.device("cpu")
 # conf/model files small enough to build in a test, and the real-size ones (limits only).
-CHEAP = {"tiny": (16, 256), "tiny_sd3": (16, 256), "tiny_dit": (64, 64), "tiny_flux": (16, 256)}
-HUGE = {"pixart_sigma": (16, 2048), "sd3_medium": (16, 2048), "dit_xl_2_256": (256, 256), "flux_dev": (16, 2048),
-        "flux_schnell": (16, 2048)}
+CHEAP = {"tiny": (16, 256), "tiny_sd3": (16, 256), "tiny_sd35_large": (16, 256), "tiny_sd35_medium": (16, 256),
+         "tiny_dit": (64, 64), "tiny_flux": (16, 256)}
+HUGE = {"pixart_sigma": (16, 2048), "sd3_medium": (16, 2048), "sd35_large": (16, 2048), "sd35_medium": (16, 2048),
+        "dit_xl_2_256": (256, 256), "flux_dev": (16, 2048), "flux_schnell": (16, 2048)}
 
 
 def model_cfg(*overrides: str):

@@ -1,12 +1,15 @@
-"""Flux and float8 on the GPU: the tiny Flux replays bit for bit what it computes eagerly (B rows,
+"""Flux, SD3 and float8 on the GPU: the tiny Flux replays bit for bit what it computes eagerly (B rows,
 and 2B with true CFG; the step scope's per-resolution tables), also with its projections fused and
 the GELU in the matmul epilogue; float8 linear layers stay close to bf16, eager, compiled and
-replayed (skipped without CUDA; float8 needs sm89+).
+replayed; SD3's and SD3.5's own blocks under their plans, compiled, replay their compiled call and
+stay close to diffusers' step (skipped without CUDA; float8 needs sm89+).
 
 Run on a CUDA machine: `python -m pytest -m cuda tests/test_models_cuda.py -v`.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,11 +20,11 @@ from bcg.engine import BCGEngine
 from conftest import model_config, wide_heads_flux
 from pipeline.denoise import Denoiser
 from pipeline.kernels import apply_kernels
-from pipeline.blocks.layers import Fp8Linear, linear as make_linear
+from pipeline.blocks.layers import Fp8Linear, GeluLinear, linear as make_linear
 from pipeline.kernels.fp8 import FP8
 from pipeline.models import build_model
 from pipeline.noise import batch_noise
-from pipeline.plans import KernelSettings
+from pipeline.plans import PLANS, KernelSettings
 from pipeline.precision import apply_precision
 
 CUDA = torch.cuda.is_available()
@@ -48,6 +51,11 @@ def tiny_flux(config=None):
     torch._dynamo.reset()
     apply_precision("bf16", tf32=False, cudnn_benchmark=False)
     return build_model(config or model_config("tiny_flux"), torch.device("cuda"), torch.bfloat16)
+
+
+def tiny(name: str):
+    """A new tiny model of conf/model/<name>.yaml in bf16 on the GPU (as tiny_flux)."""
+    return tiny_flux(model_config(name))
 
 
 @pytest.fixture(scope="module")
@@ -422,4 +430,30 @@ def test_fp8_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
     t = adapter.transformer
     assert all(b.rows_in and b.text_rows_in and b.rows_ff for b in t.double_blocks) and all(b.rows_in for b in t.single_blocks)
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
+
+
+@pytest.mark.parametrize("name", ["tiny_sd3", "tiny_sd35_large", "tiny_sd35_medium"])
+@pytest.mark.parametrize("plan", ["sd3", pytest.param("sd3-fp8", marks=needs_fp8)])
+def test_sd3_plans_compiled_blocks_replay_equals_the_compiled_call(name, plan):
+    """SD3's plans (the decoder aside) on an SD3-, an SD3.5-Large- and an SD3.5-Medium-like model (q/k RMS
+    norms; an MMDiT-X layer; the last block ends the text stream), the blocks compiled: bf16's GELU in the
+    up-projections' epilogue and SD3.5's queries' and keys' norms in their kernel; float8's layers, norms
+    writing float8 rows, the GELU in the down-projections' quantization and, where the queries and keys are
+    RMS-normalized, float8 attention (SD3's attentions keep SDPA). The step stays as close to diffusers' bf16
+    step as Flux's does under the same kernels, and our graph replays it bit for bit."""
+    fp8 = plan == "sd3-fp8"
+    kernels = replace(PLANS[plan].resolved(), compile_decoder=False)
+    adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny(name))
+    t = adapter.transformer
+    normed = t.config.qk_norm == "rms_norm"
+    mode = ("fp8" if fp8 else "kernel") if normed else "torch"
+    attentions = len(t.blocks) + sum(b.attn2 is not None for b in t.blocks)
+    assert report["own_blocks"] == "sd3" and report["attention_modes"] == {mode: attentions}
+    if fp8:
+        assert all(b.rows_in and b.text_rows_in and b.rows_ff and b.ff.gelu_rows for b in t.blocks)
+        assert all(a.rows_out for a in t.attentions()) == normed
+    else:
+        assert all(isinstance(b.ff.up, GeluLinear) for b in t.blocks)
+    assert rel_err(compiled, reference) < (FP8_STEP_REL_ERR if fp8 else FUSED_STEP_REL_ERR)
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)

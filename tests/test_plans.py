@@ -23,11 +23,14 @@ from pipeline.precision import resolve_precision
 # Each shipped model file -> (steps, guidance) its checkpoint's pipeline runs by default.
 OWN_SAMPLERS = {"tiny": (20, 4.5), "digits": (20, 4.5), "pixart_sigma": (20, 4.5), "tiny_dit": (50, 4.0),
                 "dit_xl_2_256": (50, 4.0), "tiny_flux": (28, 3.5), "flux_dev": (28, 3.5), "flux_schnell": (4, 0.0),
-                "tiny_sd3": (28, 7.0), "sd3_medium": (28, 7.0)}
+                "tiny_sd3": (28, 7.0), "sd3_medium": (28, 7.0), "tiny_sd35_large": (28, 3.5), "sd35_large": (28, 3.5),
+                "tiny_sd35_medium": (40, 4.5), "sd35_medium": (40, 4.5)}
 FAMILY = {"tiny": "pixart", "digits": "pixart", "pixart_sigma": "pixart", "tiny_dit": "dit", "dit_xl_2_256": "dit",
-          "tiny_flux": "flux", "flux_dev": "flux", "flux_schnell": "flux", "tiny_sd3": "sd3", "sd3_medium": "sd3"}
+          "tiny_flux": "flux", "flux_dev": "flux", "flux_schnell": "flux", "tiny_sd3": "sd3", "sd3_medium": "sd3",
+          "tiny_sd35_large": "sd3", "sd35_large": "sd3", "tiny_sd35_medium": "sd3", "sd35_medium": "sd3"}
 # family -> the plan `auto` picks on CUDA in bf16, and in float8 (None: refused)
-ON_CUDA = {"pixart": ("fast", None), "sd3": ("compiled", None), "dit": ("eager", None), "flux": ("flux", "flux-fp8")}
+ON_CUDA = {"pixart": ("fast", None), "sd3": ("compiled", None), "dit": ("eager", None),
+           "flux": ("flux", "flux-fp8")}
 
 
 @pytest.mark.parametrize("name", sorted(OWN_SAMPLERS))
@@ -104,12 +107,16 @@ def test_the_default_plan_resolves_as_documented(family):
     check_kernels(on_cuda.settings, family)
     if fp8:
         plan = resolve_plan("auto", {}, family, "cuda", True)
-        assert plan.name == fp8 and plan.settings.fp8 and plan.settings.fp8_attention
+        assert plan.name == fp8 and plan.settings.fp8 and PLANS[fp8].float8 and PLANS[fp8].cuda_only
         check_kernels(plan.settings, family)
     else:
-        with pytest.raises(UserError, match=rf"precision=fp8 is not offered for model family '{family}': .*float8 "
-                                            r"plans exist for \['flux'\]; choose precision=bf16"):
+        with pytest.raises(UserError, match=rf"precision=fp8 is not offered for model family '{family}': .*"
+                                            r"kernels.plan=auto picks a float8 plan for \['flux'\]; choose precision=bf16"):
             resolve_plan("auto", {}, family, "cuda", True)
+    for named in [name for name, plan in PLANS.items() if family in plan.families and plan.cuda_only]:
+        plan = resolve_plan(named, {}, family, "cuda", PLANS[named].float8)  # a plan auto does not pick yet: by name
+        assert plan.name == named and plan.settings.fp8 == PLANS[named].float8
+        check_kernels(plan.settings, family)
     with pytest.raises(UserError, match="precision=fp8 needs a CUDA GPU with float8 tensor cores"):
         resolve_plan("auto", {}, family, "cpu", True)
     assert set(DEFAULT_PLANS.values()) <= set(PLANS)

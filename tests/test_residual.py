@@ -23,8 +23,8 @@ from test_kernels import inputs
 def step(dtype: torch.dtype, kernels: KernelSettings | None, side: int = 64, n: int = 3) -> torch.Tensor:
     """One CFG step of a fresh tiny PixArt (the same weights every call) in `dtype`, with `kernels` applied."""
     adapter = build_model(model_config("tiny"), torch.device("cpu"), dtype)
-    if kernels is not None:
-        apply_kernels(kernels, adapter, None, shapes=4)
+    if kernels is not None:  # float8 on the CPU: torch's emulated matmul (a job refuses it there)
+        apply_kernels(kernels, adapter, None, shapes=4, device_checks=not kernels.fp8)
     x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs(adapter, side, n).items()}
     for row in range(n):  # captions of different lengths: the cross-attention mask matters
         x["mask"][row, :, 8 + 5 * row:] = 0
@@ -135,7 +135,8 @@ def test_compiled_norms_serve_every_shape_with_one_graph():
 
 @pytest.mark.parametrize("kernels, match", [
     (KernelSettings(fuse_residual=True, fuse_qkv=True), "cannot be combined with kernels.fuse_qkv"),
-    (KernelSettings(fuse_residual=True, fp8=True), "cannot be combined with kernels.fp8"),
+    (KernelSettings(fp8=True), r"kernels.fp8=true for model family 'pixart' needs kernels.fuse_residual=true: .*set "
+                               r"kernels.fuse_residual=true, or kernels.fp8=false"),
     (KernelSettings(fuse_residual=True, attention="flash_attn"), "cannot be combined with kernels.attention=flash_attn"),
     (KernelSettings(fuse_residual=True, compile=True, compile_scope="blocks"), "set kernels.compile_scope=norms"),
     (KernelSettings(compile=True, compile_scope="norms"), "set kernels.fuse_residual=true"),
@@ -167,3 +168,59 @@ def test_other_models_and_changed_blocks_are_refused_by_name():
     use_flash_attn(pixart.transformer, lambda q, k, v, dropout_p=0.0, causal=False: q)
     with pytest.raises(UserError, match="transformer_blocks.0 runs attn1 with FlashAttnProcessor"):
         fuse_residual(pixart.transformer, False, None)
+
+
+def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close():
+    """kernels.fuse_residual with kernels.fp8 (PixArt's float8 blocks; the CPU runs torch's emulated float8
+    matmul and the kernels' torch references): every block linear layer is float8 with its weight quantized
+    once; each residual add is done by the function that next reads the stream, whose norm is fast's (the
+    same bytes, then quantized); the GELU in the down-projection's quantization gives the bytes the unfused
+    GELU gives; the step stays close to diffusers' fp32 step, masked captions of three lengths included; the
+    plan's digest names the row functions."""
+    from pipeline.blocks.layers import Fp8Linear
+    from pipeline.blocks.pixart import modulated_norm
+    from pipeline.kernels import fp8, output_kernels, residual_rows
+    from pipeline.plans import PLANS
+    from test_flux_blocks import FP8_STEP_REL_ERR, rel_err
+
+    truth = step(torch.float32, None)
+    steps = {gelu: step(torch.float32, KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=gelu)) for gelu in (False, True)}
+    assert torch.equal(steps[True], steps[False])
+    assert rel_err(steps[True], truth) < FP8_STEP_REL_ERR
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    report = apply_kernels(KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=True), adapter, None, shapes=4,
+                           device_checks=False)
+    t = adapter.transformer
+    assert report["fp8_blocks"] and report["fused_residual_blocks"] == len(t.blocks)
+    assert sum(isinstance(m, Fp8Linear) for m in t.modules()) == 10 * len(t.blocks) and t.blocks[0].gelu_rows
+    gen = torch.Generator().manual_seed(0)
+    rows, update = (torch.randn(37, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    gate, modulation = torch.randn(16, generator=gen).to(torch.bfloat16), torch.randn(2, 16, generator=gen).to(torch.bfloat16)
+    stream, x8, scale = residual_rows.norm_rows(rows, update, gate, modulation, 1e-6)
+    assert torch.equal(stream, (rows.float() + gate.float() * update.float()).to(torch.bfloat16))
+    want8, want_scale = fp8.quantize_rows(modulated_norm(stream, torch.zeros(16), modulation, 1e-6))
+    assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(scale, want_scale)
+    assert output_kernels(PLANS["fast-fp8"].resolved())["residual_rows"] == residual_rows.SETTING
+
+
+@pytest.mark.slow
+def test_compiled_float8_row_functions_serve_every_shape_with_one_graph_each():
+    """fast-fp8's compile_scope=norms: the float8 blocks' row functions compiled once each (the norm with and
+    without the residual add before it and with and without its gate, the add before the cross-attention,
+    the quantization) for every resolution and batch, computing what the eager functions compute up to a
+    float8 rounding step here and there."""
+    from test_flux_blocks import rel_err
+
+    torch._dynamo.reset()
+    settings = dict(fuse_residual=True, fp8=True, fuse_gelu=True)
+    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    eager = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    before = compile_stats()
+    apply_kernels(KernelSettings(**settings, compile=True, compile_scope="norms", persistent_reductions=True), adapter,
+                  None, shapes=4, device_checks=False)
+    apply_kernels(KernelSettings(**settings), eager, None, shapes=4, device_checks=False)
+    for side, n in ((96, 2), (96, 3), (128, 2), (64, 3)):
+        x = inputs(adapter, side, n)
+        with torch.no_grad():
+            assert rel_err(adapter.guided_eps(x), eager.guided_eps(x)) < 1e-2, (side, n)
+    assert compile_stats(since=before)["compiled_graphs"] == 5

@@ -4,10 +4,11 @@ processes of its own:
 - the fast plan (PixArt; the tiny model is its architecture): a job stopped after some batches and
   resumed in a new process, and a job run as two shard processes at once, give the bytes of one
   uninterrupted process; the resumed process loads the layer norm's kernel from the job's cache;
-- Flux's plans, bf16 and float8 (the tiny Flux with heads the float8 attention takes), whose blocks
-  and decoder are compiled: a stopped and resumed job gives the uninterrupted bytes (the resumed
-  process loads what the first compiled), and another job on some of the same rows, with its own
-  compile cache and another first shape, gives those rows' bytes too.
+- the compiled plans, bf16 and float8: Flux's (the tiny Flux with heads the float8 attention takes),
+  SD3's (the SD3.5-Medium-like tiny model: q/k norms, an MMDiT-X layer), PixArt's float8 (fast-fp8:
+  its row functions compiled for a fixed row count): a stopped and resumed job gives the uninterrupted
+  bytes (the resumed process loads what the first compiled), and another job on some of the same rows,
+  with its own compile cache and another first shape, gives those rows' bytes too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ COMMON = ("runtime.device=cuda:0", "sampler.steps=4", "runtime.progress=false", 
 FAST = ("kernels.plan=fast", "precision=bf16", *COMMON)
 FLUX = ("model=tiny_flux", "model.arch.transformer.attention_head_dim=32", "model.arch.transformer.axes_dims_rope=[8,12,12]",
         *COMMON)
+SD3 = ("model=tiny_sd35_medium", *COMMON)
+# case -> (the job's arguments, the plan that runs: kernels.plan=auto's, or the one named)
+COMPILED_PLANS = {
+    "flux-bf16": ((*FLUX, "precision=bf16"), "flux"),
+    "flux-fp8": ((*FLUX, "precision=fp8"), "flux-fp8"),
+    "sd3-bf16": ((*SD3, "precision=bf16", "kernels.plan=sd3"), "sd3"),
+    "sd3-fp8": ((*SD3, "precision=fp8", "kernels.plan=sd3-fp8"), "sd3-fp8"),
+    "pixart-fp8": (("model=tiny", *COMMON, "precision=fp8", "kernels.plan=fast-fp8"), "fast-fp8"),
+}
 
 
 def job_args(manifest, out, *extra, plan=FAST) -> list[str]:
@@ -108,14 +118,15 @@ def concurrently(*commands: tuple[list[str], dict[str, str]]) -> list[subprocess
     return done
 
 
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=needs_fp8)])
-def test_flux_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_own_cache(precision, tmp_path):
-    """precision=bf16 runs the flux plan, fp8 the flux-fp8 plan (kernels.plan=auto): their compiled
-    blocks and decoder are generated for the model's native size whatever a job runs first, so a job
-    stopped after two batches and resumed (loading what the first process compiled), and another job
-    on the 128 x 64 rows alone, compiling for itself into its own cache, give the uninterrupted job's
-    bytes. The first three processes run at once."""
-    plan = (*FLUX, f"precision={precision}")
+@pytest.mark.parametrize("case", [pytest.param(case, marks=needs_fp8) if case.endswith("fp8") else case
+                                  for case in COMPILED_PLANS])
+def test_compiled_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_own_cache(case, tmp_path):
+    """Flux's plans as kernels.plan=auto picks them, SD3's and PixArt's float8 plan by name: their compiled
+    blocks (PixArt's: row functions) and decoder are generated for the model's native size (a fixed row
+    count) whatever a job runs first, so a job stopped after two batches and resumed (loading what the
+    first process compiled), and another job on the 128 x 64 rows alone, compiling for itself into its own
+    cache, give the uninterrupted job's bytes. The first three processes run at once."""
+    plan, name = COMPILED_PLANS[case]
     manifest = write_manifest(tmp_path / "m.parquet", MANIFEST)
     some = write_manifest(tmp_path / "some.parquet", [r for r in MANIFEST if r["id"].startswith("t")])
     whole, stopped, alone = concurrently(
@@ -125,8 +136,9 @@ def test_flux_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_own_
     assert whole.returncode == 0 and alone.returncode == 0, (whole.stderr[-3000:], alone.stderr[-3000:])
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     kernels = stats(tmp_path / "whole")["kernels"]
-    assert kernels["plan"] == ("flux" if precision == "bf16" else "flux-fp8") and kernels["reproducible"] is True
-    assert kernels["compiled_for"] == "native-size-rows-1-and-2"
+    assert kernels["plan"] == name and kernels["reproducible"] is True
+    if kernels["compile_scope"] != "norms":  # fast-fp8's row functions: generated for NORM_ROWS_HINT rows
+        assert kernels["compiled_for"] == "native-size-rows-1-and-2"
     resumed = run_python(*job_args(manifest, tmp_path / "resumed", plan=plan), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = stats(tmp_path / "resumed")

@@ -93,7 +93,7 @@ def test_bench_refuses_before_the_baseline_runs(tmp_path, manifest, monkeypatch)
         run_bench(cpu_job(bad, tmp_path / "out", "bench.baseline=true", "manifest.on_invalid=skip"))
     with pytest.raises(UserError, match="bench.reference_images=0 must be >= 1"):
         run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "bench.reference_images=0"))
-    with pytest.raises(UserError, match="kernels.fp8=true: its float8 blocks are Flux's own blocks"):
+    with pytest.raises(UserError, match="kernels.fp8=true for model family 'pixart' needs kernels.fuse_residual=true"):
         run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "kernels.fp8=true"))
     committed = tmp_path / "committed"
     run(cpu_job(manifest, committed))

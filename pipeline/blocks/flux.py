@@ -29,22 +29,23 @@ quantized.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.blocks.joint import (BlockKernels, FeedForward, activated, check_head_dim, fp8_rows, kernel_attention,
+                                   modulated_norm, norm_weights, project, projections, residual_ff)
 from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear, linear_of
 from pipeline.errors import UserError
-from pipeline.kernels import attention_inputs, fp8_attention, fp8_gelu
-from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
-from pipeline.kernels.fp8 import QuantizedRows
+from pipeline.kernels import fp8_attention, fp8_gelu
+
+__all__ = ["FluxKernels", "FluxTransformer", "check_head_dim", "norm_weights"]
 
 
 @dataclass(frozen=True)
-class FluxKernels:
-    """What Flux's own blocks compute with (the kernel plan's Flux settings)."""
+class FluxKernels(BlockKernels):
+    """What Flux's own blocks compute with (the kernel plan's Flux settings): the joint blocks' and its own."""
 
     fuse_qkv: bool = False
     fp8: bool = False
@@ -54,44 +55,6 @@ class FluxKernels:
     fuse_qk_norm: bool = False
     fp8_attention: bool = False
     fp8_norm: bool = False
-
-    @classmethod
-    def of(cls, settings) -> "FluxKernels":
-        """These settings of a pipeline.plans.KernelSettings."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
-
-    @property
-    def any(self) -> bool:
-        """Whether any is on (with none, diffusers' own transformer runs)."""
-        return any(getattr(self, f.name) for f in fields(self))
-
-
-def fp8_rows(*layers: torch.nn.Module) -> bool:
-    """Whether every one of these layers is float8 (a kernel may then hand them quantized rows)."""
-    return all(isinstance(layer, Fp8Linear) for layer in layers)
-
-
-def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                   rows: bool) -> torch.Tensor | QuantizedRows:
-    """LN(x) * (1 + scale) + shift (x [B, S, C], shift and scale [B, C]) as diffusers' adaptive norms
-    compute it; with `rows`, as float8 rows for float8 layers (one kernel)."""
-    if rows:
-        x8, scale8 = torch.ops.bcg.modulated_norm_rows(x, None, shift, scale, eps)
-        return QuantizedRows(x8, scale8, x.dtype)
-    return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None]) + shift[:, None]
-
-
-def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
-    """[4, D]: the weights of a diffusers Flux attention's queries', keys', text queries' and text keys'
-    RMS norms (a single block's text rows repeat the image's; a norm without a weight: ones)."""
-    ones = torch.ones(attn.head_dim, dtype=attn.to_q.weight.dtype, device=attn.to_q.weight.device)
-
-    def weight(norm, otherwise: torch.Tensor) -> torch.Tensor:
-        return otherwise if norm is None else ones if norm.weight is None else norm.weight.detach()
-
-    q, k = weight(attn.norm_q, ones), weight(attn.norm_k, ones)
-    return torch.stack([q, k, weight(getattr(attn, "norm_added_q", None), q),
-                        weight(getattr(attn, "norm_added_k", None), k)])
 
 
 class Attention(torch.nn.Module):
@@ -111,10 +74,10 @@ class Attention(torch.nn.Module):
         self.mode = "fp8" if kernels.fp8_attention else "kernel" if kernels.fuse_qk_norm else "torch"
         if self.mode != "torch" and torch.device(device).type == "cuda":
             check_head_dim(self.head_dim, self.mode)
-        self.qkv = self._projections([attn.to_q, attn.to_k, attn.to_v], kernels)
+        self.qkv = projections([attn.to_q, attn.to_k, attn.to_v], kernels)
         self.register_buffer("norm_weights", norm_weights(attn))
         if self.double:
-            self.text_qkv = self._projections([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj], kernels)
+            self.text_qkv = projections([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj], kernels)
             self.out = linear([attn.to_out[0]], kernels.fp8)
             self.text_out = linear([attn.to_add_out], kernels.fp8)
             rows_out = fp8_rows(self.out, self.text_out)
@@ -122,88 +85,21 @@ class Attention(torch.nn.Module):
         if self.mode == "fp8":
             self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
 
-    @staticmethod
-    def _projections(layers: list[torch.nn.Linear], kernels: FluxKernels) -> torch.nn.ModuleList:
-        """One q|k|v layer (fuse_qkv) or three."""
-        if kernels.fuse_qkv:
-            return torch.nn.ModuleList([linear(layers, kernels.fp8)])
-        return torch.nn.ModuleList([linear([layer], kernels.fp8) for layer in layers])
-
-    @staticmethod
-    def _project(layers: torch.nn.ModuleList, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if len(layers) == 1:
-            return layers[0](x).chunk(3, dim=-1)
-        return tuple(layer(x) for layer in layers)
-
     def forward(self, x, text, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, S_i, C] (or its float8 rows), text [B, S_t, C] or None (a single block), the rotary
         embedding's cos and sin [S_t + S_i, D] -> a double block's (image, text) outputs through their
         out-projections; a single block's attention [B, S, C] (or its float8 rows with `rows_out`)."""
-        q, k, v = self._project(self.qkv, x)
+        q, k, v = project(self.qkv, x)
         tq = tk = tv = None
         if self.double:
-            tq, tk, tv = self._project(self.text_qkv, text)
-        text_tokens = tq.shape[1] if self.double else 0
-        dtype = q.dtype
-        if self.mode == "fp8":
-            q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(q, k, v, tq, tk, tv, self.norm_weights, cos, sin,
-                                                                     self.qk_scales, self.heads, self.eps)
-            count_call(FP8_ATTENTION_OP)
-            softmax_scale = 1.0 / math.sqrt(self.head_dim)
-            if self.rows_out:
-                text8, text_scale, image8, image_scale = torch.ops.bcg.fp8_attention_rows(
-                    q8, k8, v8t, self.qk_scales, v_scale, softmax_scale, text_tokens)
-                image = QuantizedRows(image8, image_scale, dtype)
-                if not self.double:
-                    return image
-                return self.out(image), self.text_out(QuantizedRows(text8, text_scale, dtype))
-            out = torch.ops.bcg.fp8_attention(q8, k8, v8t, self.qk_scales, v_scale, softmax_scale)
-        else:
-            if self.mode == "kernel":
-                q, k = torch.ops.bcg.rotated_qk(q, k, tq, tk, self.norm_weights, cos, sin, self.heads, self.eps)
-                v = (v if tv is None else torch.cat([tv, v], dim=1)).unflatten(-1, (self.heads, self.head_dim))
-            else:
-                q, k, v = attention_inputs.rotated_reference(q, k, v, tq, tk, tv, self.norm_weights, cos, sin,
-                                                             self.heads, self.eps)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-        out = out.flatten(2, 3).to(dtype)
+            tq, tk, tv = project(self.text_qkv, text)
+        text, image = kernel_attention(self.mode, q, k, v, tq, tk, tv, self.norm_weights, cos, sin, self.heads, self.eps,
+                                       getattr(self, "qk_scales", None), self.rows_out)
         if not self.double:
-            return out
-        text, image = out.split_with_sizes([text_tokens, out.shape[1] - text_tokens], dim=1)
+            return image
+        if self.rows_out:
+            return self.out(image), self.text_out(text)
         return self.out(image.contiguous()), self.text_out(text.contiguous())
-
-
-def check_head_dim(dim: int, mode: str) -> None:
-    """The Triton kernels' head widths: a power of two, and for float8 attention one of HEAD_DIMS."""
-    setting = "fp8_attention" if mode == "fp8" else "fuse_qk_norm"
-    if dim & (dim - 1):
-        raise UserError(f"kernels.{setting}=true: the kernels take heads whose width is a power of two, this "
-                        f"model's are {dim} wide; set kernels.{setting}=false")
-    if mode == "fp8" and dim not in fp8_attention.HEAD_DIMS:
-        raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(fp8_attention.HEAD_DIMS)} "
-                        f"dimensions, this model's have {dim}; set kernels.fp8_attention=false")
-
-
-class FeedForward(torch.nn.Module):
-    """diffusers' tanh-GELU FeedForward: down(GELU(up(x))), the GELU where the plan puts it."""
-
-    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, kernels: FluxKernels):
-        super().__init__()
-        self.down = linear([down], kernels.fp8)
-        self.gelu_rows = kernels.fuse_gelu and isinstance(self.down, Fp8Linear) and down.in_features <= fp8_gelu.MAX_COLS
-        self.up = linear([up], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
-
-    def forward(self, x) -> torch.Tensor:
-        return activated(self.up, self.down, self.up(x), self.gelu_rows)
-
-
-def activated(up: torch.nn.Module, down: torch.nn.Module, h: torch.Tensor, gelu_rows: bool) -> torch.Tensor:
-    """down(tanh GELU(h)), h the up-projection's output: the GELU in the down-projection's float8
-    quantization (`gelu_rows`), already applied by the up-projection's epilogue, or here."""
-    if gelu_rows:
-        x8, scale = torch.ops.bcg.gelu_quantize_rows(h.reshape(-1, h.shape[-1]))
-        return down.rows(x8, scale, h.shape, h.dtype)
-    return down(h if isinstance(up, GeluLinear) else F.gelu(h, approximate="tanh"))
 
 
 class DoubleBlock(torch.nn.Module):
@@ -213,8 +109,7 @@ class DoubleBlock(torch.nn.Module):
     def __init__(self, block: torch.nn.Module, kernels: FluxKernels, device: torch.device):
         super().__init__()
         self.attn = Attention(block.attn, kernels, device)
-        self.ff = FeedForward(block.ff.net[0].proj, block.ff.net[2], kernels)
-        self.ff_context = FeedForward(block.ff_context.net[0].proj, block.ff_context.net[2], kernels)
+        self.ff, self.ff_context = FeedForward.of(block.ff, kernels), FeedForward.of(block.ff_context, kernels)
         self.eps = (block.norm1.norm.eps, block.norm1_context.norm.eps, block.norm2.eps, block.norm2_context.eps)
         self.rows_in = kernels.fp8_norm and fp8_rows(*self.attn.qkv)  # the first norms' readers
         self.text_rows_in = kernels.fp8_norm and fp8_rows(*self.attn.text_qkv)
@@ -228,21 +123,12 @@ class DoubleBlock(torch.nn.Module):
         x = modulated_norm(img, shift, scale, self.eps[0], self.rows_in)
         c = modulated_norm(txt, c_shift, c_scale, self.eps[1], self.text_rows_in)
         attn_img, attn_txt = self.attn(x, c, cos, sin)
-        img = self.residual_ff(img, attn_img, gate, shift_ff, scale_ff, gate_ff, self.ff, self.eps[2])
-        txt = self.residual_ff(txt, attn_txt, c_gate, c_shift_ff, c_scale_ff, c_gate_ff, self.ff_context, self.eps[3])
+        img = residual_ff(img, attn_img, gate, shift_ff, scale_ff, gate_ff, self.ff, self.eps[2], self.rows_ff)
+        txt = residual_ff(txt, attn_txt, c_gate, c_shift_ff, c_scale_ff, c_gate_ff, self.ff_context, self.eps[3],
+                          self.rows_ff)
         if txt.dtype == torch.float16:
             txt = txt.clip(-65504, 65504)
         return img, txt
-
-    def residual_ff(self, rows: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
-                    scale: torch.Tensor, gate_ff: torch.Tensor, ff: FeedForward, eps: float) -> torch.Tensor:
-        """rows + gate * update, then + gate_ff * ff(its modulated norm); with fp8_norm the add, the norm
-        and the float8 rows the feed-forward reads in one kernel."""
-        if self.rows_ff:
-            added, x8, scale8 = torch.ops.bcg.residual_norm_rows(rows, update, gate, shift, scale, eps)
-            return added + gate_ff.unsqueeze(1) * ff(QuantizedRows(x8, scale8, rows.dtype))
-        added = rows + gate.unsqueeze(1) * update
-        return added + gate_ff.unsqueeze(1) * ff(modulated_norm(added, shift, scale, eps, False))
 
 
 class SingleBlock(torch.nn.Module):

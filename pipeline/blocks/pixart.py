@@ -111,15 +111,22 @@ def step_constants(step: torch.Tensor, tables: torch.Tensor, attn_out_bias: torc
     block by block (+ the gated attention bias, + the cross-attention's bias, + the gated feed-forward
     bias): one running sum over those 3L vectors in the blocks' order, in fp32."""
     blocks, _, channels = tables.shape
-    # diffusers adds the table in the model's dtype: the same rounding here
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (tables + step).unbind(1)  # [L, C] each
+    attn_mod, gate_msa, ff_mod, gate_mlp = modulations(step, tables)
     added = torch.stack((attn_out_bias.float() * gate_msa.float(), cross_out_bias.float(),
                          ff_out_bias.float() * gate_mlp.float()), dim=1)  # [L, 3, C]
     after_attn, before_ff, exit = added.view(3 * blocks, channels).cumsum(0).view(blocks, 3, channels).unbind(1)
     entry = torch.cat((torch.zeros_like(exit[:1]), exit[:-1]))
     query_bias = torch.baddbmm(cross_query_bias.float().unsqueeze(-1), cross_query.float(), after_attn.unsqueeze(-1))
-    return (torch.stack((scale_msa, shift_msa), dim=1), gate_msa, query_bias.squeeze(-1).to(cross_query.dtype), entry,
-            before_ff, torch.stack((scale_mlp, shift_mlp), dim=1), gate_mlp, exit)
+    return attn_mod, gate_msa, query_bias.squeeze(-1).to(cross_query.dtype), entry, before_ff, ff_mod, gate_mlp, exit
+
+
+def modulations(step: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every block's modulation at one step: the step's timestep embedding [6, C] and the blocks' tables
+    [L, 6, C] -> norm1's scale|shift [L, 2, C], gate_msa [L, C], norm2's scale|shift [L, 2, C], gate_mlp [L, C]."""
+    # diffusers adds the table in the model's dtype: the same rounding here
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (tables + step).unbind(1)  # [L, C] each
+    return (torch.stack((scale_msa, shift_msa), dim=1), gate_msa, torch.stack((scale_mlp, shift_mlp), dim=1),
+            gate_mlp)
 
 
 def stack_blocks(blocks: list[torch.nn.Module]) -> BlockStack:
@@ -153,14 +160,23 @@ def compiled_norm(dynamic: bool, options: dict) -> NormFn:
     compilation for every row count, the channel count fixed (a symbolic one would cost the kernel
     its one-pass reduction over the row), its kernel generated for NORM_ROWS_HINT rows whatever row
     count comes first; else one per row count."""
-    compiled = torch.compile(modulated_norm, dynamic=None if dynamic else False, fullgraph=True, **options)
+    return compiled_rows(modulated_norm, dynamic, options)
 
-    def norm(rows: torch.Tensor, pending: torch.Tensor, modulation: torch.Tensor, eps: float) -> torch.Tensor:
+
+def compiled_rows(fn: Callable, dynamic: bool, options: dict, rows_args: tuple[int, ...] = (0,)) -> Callable:
+    """A function of rows compiled with inductor (`options`: torch.compile's keywords). `dynamic`: one
+    compilation for every row count of its `rows_args` (positional arguments [M, ...], None allowed), its
+    kernel generated for NORM_ROWS_HINT rows whatever row count comes first; else one per row count."""
+    compiled = torch.compile(fn, dynamic=None if dynamic else False, fullgraph=True, **options)
+
+    def call(*args):
         if dynamic:
-            torch._dynamo.mark_dynamic(rows, 0, hint_override=NORM_ROWS_HINT)
-        return compiled(rows, pending, modulation, eps)
+            for i in rows_args:
+                if args[i] is not None:
+                    torch._dynamo.mark_dynamic(args[i], 0, hint_override=NORM_ROWS_HINT)
+        return compiled(*args)
 
-    return norm
+    return call
 
 
 def check_block(block: torch.nn.Module, name: str) -> None:
@@ -267,13 +283,20 @@ class PixArtTransformer(OwnTransformer):
         self.patch_embed = copy.deepcopy(source.pos_embed)  # its convolution writes channels-last: tokens contiguous
         self.patch_embed.proj.to(memory_format=torch.channels_last)
         self.adaln_single, self.caption_projection = source.adaln_single, source.caption_projection
-        stack = stack_blocks(blocks)
-        for f in fields(BlockStack):  # buffers: they move and cast with the module
-            self.register_buffer(f.name, getattr(stack, f.name))
-        self.blocks = torch.nn.ModuleList(ResidualBlock(b, i, gelu_epilogue) for i, b in enumerate(blocks))
+        self.register_stack(blocks)
+        self.blocks = torch.nn.ModuleList(self.make_block(b, i, gelu_epilogue) for i, b in enumerate(blocks))
         self.norm, self.constants = norm, constants
         self.out_eps, self.scale_shift_table, self.proj_out = out_norm.eps, source.scale_shift_table, source.proj_out
         self.out_channels, self.additional_conditions = source.out_channels, source.use_additional_conditions
+
+    def register_stack(self, blocks: list[torch.nn.Module]) -> None:
+        """The blocks' parameters the per-step constants read, as buffers (they move and cast with the module)."""
+        stack = stack_blocks(blocks)
+        for f in fields(BlockStack):
+            self.register_buffer(f.name, getattr(stack, f.name))
+
+    def make_block(self, block: torch.nn.Module, index: int, gelu_epilogue: bool) -> torch.nn.Module:
+        return ResidualBlock(block, index, gelu_epilogue)
 
     def stack(self) -> BlockStack:
         return BlockStack(*(getattr(self, f.name) for f in fields(BlockStack)))
@@ -295,23 +318,38 @@ class PixArtTransformer(OwnTransformer):
         t, embedded_t = self.adaln_single(timestep, added_cond_kwargs, batch_size=batch, hidden_dtype=h.dtype)
         context = self.caption_projection(encoder_hidden_states).view(batch, -1, h.shape[-1])
         # one denoising step per batch: row 0's timestep embedding is every row's
-        c = StepConstants(*self.constants(t.view(batch, 6, -1)[0], *self.stack().tensors()))
-        for block in self.blocks:
-            h = block(h, context, mask, c, self.norm, self.cross_query[block.index])
-        channels = h.shape[-1]
-        none = torch.zeros(2, channels, dtype=h.dtype, device=h.device)  # PixArt modulates after its final norm
-        h = self.norm(h.reshape(-1, channels), c.exit[-1], none, self.out_eps).view(h.shape)
+        h = self.run_blocks(h, t.view(batch, 6, -1)[0], context, mask)
         shift, scale = (self.scale_shift_table[None] + embedded_t[:, None].to(self.scale_shift_table.device)).chunk(2, dim=1)
         h = self.proj_out(h * (1 + scale) + shift).squeeze(1)
         h = h.reshape(-1, height, width, patch, patch, self.out_channels)
         h = torch.einsum("nhwpqc->nchpwq", h)
         return (h.reshape(-1, self.out_channels, height * patch, width * patch),)
 
+    def run_blocks(self, h: torch.Tensor, step: torch.Tensor, context: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """The blocks and the final layer norm: h [B, N, C], the step's timestep embedding [6, C], the
+        captions [B, L, C] -> [B, N, C], normalized (PixArt modulates after its final norm)."""
+        c = StepConstants(*self.constants(step, *self.stack().tensors()))
+        for block in self.blocks:
+            h = block(h, context, mask, c, self.norm, self.cross_query[block.index])
+        return self.final_norm(h, c.exit[-1])
 
-def build(source: torch.nn.Module, gelu_epilogue: bool, compiled: dict | None) -> PixArtTransformer:
-    """The fused-residual transformer of this diffusers PixArt transformer, its norm and constants plain
-    (`compiled` None) or compiled (compile_scope=norms: `compiled` has compiled_functions' keywords but
-    the device)."""
+    def final_norm(self, h: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        """LN(h + pending) (pending [C] fp32), no modulation."""
+        channels = h.shape[-1]
+        none = torch.zeros(2, channels, dtype=h.dtype, device=h.device)
+        return self.norm(h.reshape(-1, channels), pending, none, self.out_eps).view(h.shape)
+
+
+def build(source: torch.nn.Module, fuse_gelu: bool, compiled: dict | None, fp8: bool = False) -> PixArtTransformer:
+    """The fused-residual transformer of this diffusers PixArt transformer (`fp8`: its float8 blocks,
+    pipeline.blocks.pixart_fp8), its norm and constants (and float8 row functions) plain (`compiled`
+    None) or compiled (compile_scope=norms: `compiled` has compiled_functions' keywords but the device).
+    `fuse_gelu`: the GELU in the up-projection's epilogue, or under fp8 in the down-projection's quantization."""
     device = source.device
+    if fp8:
+        from pipeline.blocks import pixart_fp8
+
+        return pixart_fp8.Fp8PixArtTransformer(source, fuse_gelu, norm_kernel(device), pixart_fp8.row_functions(compiled))
     norm, constants = (norm_kernel(device), step_constants) if compiled is None else compiled_functions(device, **compiled)
-    return PixArtTransformer(source, gelu_epilogue, norm, constants)
+    return PixArtTransformer(source, fuse_gelu, norm, constants)

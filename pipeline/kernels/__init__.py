@@ -7,12 +7,14 @@ for what diffusers' modules do not compute, the transformer is replaced by the p
 - attention: the SDPA backend (or flash-attn's processor) and `probe`, which observes what ran
 - attention_inputs, fp8_attention: Flux's queries' and keys' norms and rotation, and its float8 attention
 - fp8, fp8_gelu, fp8_norm: float8 numerics, the GELU and the modulated norms writing float8 rows
-- norm: PixArt's fixed Triton layer norm (its own blocks, kernels.fuse_residual)
-- qkv: diffusers' fused projections (PixArt, SD3); text: kernels.trim_text_padding
+- norm: PixArt's fixed Triton layer norm (its own blocks, kernels.fuse_residual); residual_rows: its
+  float8 blocks' residual adds, norms and quantizations
+- qkv: diffusers' fused projections (PixArt); text: kernels.trim_text_padding
 - compile: inductor (mode, tuning, the cache, the shapes it first compiles, workers, counts);
   reductions: its persistent reductions; decoder: the compiled VAE decoder
 
-Which settings go together is stated once, as data (SUPPORTED_FAMILIES, EXCLUDES, REQUIRES, NEEDS_CUDA):
+Which settings go together is stated once, as data (SUPPORTED_FAMILIES, FAMILY_REQUIRES, EXCLUDES, REQUIRES,
+NEEDS_CUDA):
 `check_kernels` walks those tables, then each module's own check. A job changes only its own model
 instance, and what it changes in the process (dynamo's limits, the cache directory) is put back when
 it ends (pipeline.process_state).
@@ -27,6 +29,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.kernels import attention, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm, qkv, text
+from pipeline.kernels import residual_rows
 from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
@@ -65,6 +68,7 @@ FUSE_QK_NORM, FP8_NORM = switch("fuse_qk_norm"), switch("fp8_norm")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 FLUX_BLOCKS = "Flux's own blocks (model families {families}); this model is {family!r}"
+JOINT_BLOCKS = "the own MM-DiT blocks of model families {families} (Flux's, SD3's); this model is {family!r}"
 
 # option -> (the model families it serves, why: "{families}" and "{family}" filled in).
 SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
@@ -76,11 +80,18 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     HOIST_MODULATION: (("flux",), "it precomputes the modulation of " + FLUX_BLOCKS),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
-    FUSE_QK_NORM: (("flux",), "it computes the attention inputs of " + FLUX_BLOCKS),
-    FP8_ATTENTION: (("flux",), "its scales come from the bound of Flux's RMS-normalized queries and keys (model "
-                               "families {families}); this model is {family!r}"),
-    FP8_NORM: (("flux",), "it computes the norms of " + FLUX_BLOCKS),
-    FP8: (("flux",), "its float8 blocks are " + FLUX_BLOCKS),
+    FUSE_QK_NORM: (("flux", "sd3"), "it computes the attention inputs of " + JOINT_BLOCKS),
+    FP8_ATTENTION: (("flux", "sd3"), "its scales come from the bound of RMS-normalized queries and keys (Flux's, "
+                                     "SD3.5's: model families {families}); this model is {family!r}"),
+    FP8_NORM: (("flux", "sd3"), "it computes the norms of " + JOINT_BLOCKS),
+    FP8: (("pixart", "sd3", "flux"), "its float8 layers are those of the own blocks of model families {families}; "
+                                     "this model is {family!r}"),
+}
+
+# (option, family) -> (the option it needs for that family, why)
+FAMILY_REQUIRES: dict[tuple[Option, str], tuple[Option, str]] = {
+    (FP8, "pixart"): (FUSE_RESIDUAL, "PixArt's float8 layers are those of its own residual blocks "
+                                     "(pipeline/blocks/pixart_fp8.py)"),
 }
 
 # (option, option it cannot be combined with, why the first excludes the second)
@@ -88,7 +99,6 @@ RESIDUAL_OWNS_ATTENTION = "computes the attention and folds the gates into bf16/
 EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
     (FUSE_QKV, FLASH_ATTN, "replaces the attention processor"),
     (FUSE_RESIDUAL, FUSE_QKV, RESIDUAL_OWNS_ATTENTION),
-    (FUSE_RESIDUAL, FP8, RESIDUAL_OWNS_ATTENTION),
     (FUSE_RESIDUAL, FLASH_ATTN, RESIDUAL_OWNS_ATTENTION),
 )
 
@@ -147,6 +157,10 @@ def check_kernels(kernels: KernelSettings, family: str | None = None, device: to
         refusal = family_refusal(kernels, family)
         if refusal:
             raise UserError(refusal)
+        for (option, needs_family), (needed, why) in FAMILY_REQUIRES.items():
+            if family == needs_family and option.on(kernels) and not needed.on(kernels):
+                raise UserError(f"kernels.{option.key} for model family {family!r} needs kernels.{needed.key}: {why}; "
+                                f"set kernels.{needed.key}, or {option.off}")
     if device is not None and torch.device(device).type != "cuda":
         for option, why in NEEDS_CUDA.items():
             if option.on(kernels) and not (option is FUSE_GELU and kernels.fp8):
@@ -188,6 +202,8 @@ def output_kernels(kernels: KernelSettings) -> dict:
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
         out["residual_norm"] = norm.SETTING
         out["residual_constants"] = CONSTANTS  # how its per-step constants are computed (their rounding)
+        if kernels.fp8:  # its float8 blocks' row functions (the residual adds, norms and quantizations)
+            out["residual_rows"] = residual_rows.SETTING
     if kernels.fp8_attention:  # its kernel's block sizes set the order of a row's sums
         out["fp8_attention"] = fp8_attention.SETTING
     elif kernels.fuse_qk_norm:  # its kernel's (the same in fp8_attention's)

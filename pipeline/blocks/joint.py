@@ -1,0 +1,179 @@
+"""What the project's MM-DiT blocks share (Flux's, pipeline.blocks.flux; SD3's, pipeline.blocks.sd3): their
+kernels as data (`BlockKernels`: SD3's `JointKernels`, Flux's `FluxKernels`), the modulated layer norms
+(or their float8 rows), the q|k|v projections, the tanh-GELU feed-forward and the residual feed-forward
+that follows each attention, and the attention of RMS-normalized queries and keys by the project's
+kernels (`kernel_attention`).
+
+Each computes diffusers' ops in diffusers' order where its settings are off; which kernels run is fixed
+when a block is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.blocks.layers import Fp8Linear, GeluLinear, linear
+from pipeline.errors import UserError
+from pipeline.kernels import attention_inputs, fp8_attention, fp8_gelu
+from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
+from pipeline.kernels.fp8 import QuantizedRows
+
+
+class BlockKernels:
+    """What a dataclass of some of pipeline.plans.KernelSettings' switches (the ones a family's own blocks
+    read) answers."""
+
+    @classmethod
+    def of(cls, settings):
+        """These settings of a pipeline.plans.KernelSettings."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    @property
+    def any(self) -> bool:
+        """Whether any is on (with none, diffusers' own transformer runs)."""
+        return any(getattr(self, f.name) for f in fields(self))
+
+    def on(self) -> list[str]:
+        """The settings that are on, in their order (what the job reports)."""
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+@dataclass(frozen=True)
+class JointKernels(BlockKernels):
+    """The kernel settings SD3's blocks read; Flux's read these and their own (pipeline.blocks.flux)."""
+
+    fuse_qkv: bool = False
+    fp8: bool = False
+    fuse_gelu: bool = False
+    fuse_qk_norm: bool = False
+    fp8_attention: bool = False
+    fp8_norm: bool = False
+
+
+def fp8_rows(*layers: torch.nn.Module) -> bool:
+    """Whether every one of these layers is float8 (a kernel may then hand them quantized rows)."""
+    return all(isinstance(layer, Fp8Linear) for layer in layers)
+
+
+def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                   rows: bool) -> torch.Tensor | QuantizedRows:
+    """LN(x) * (1 + scale) + shift (x [B, S, C], shift and scale [B, C]) as diffusers' adaptive norms
+    compute it; with `rows`, as float8 rows for float8 layers (one kernel)."""
+    if rows:
+        x8, scale8 = torch.ops.bcg.modulated_norm_rows(x, None, shift, scale, eps)
+        return QuantizedRows(x8, scale8, x.dtype)
+    return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def projections(layers: list[torch.nn.Linear], kernels: BlockKernels) -> torch.nn.ModuleList:
+    """An attention's q, k and v layers: one joined layer (fuse_qkv) or three."""
+    if kernels.fuse_qkv:
+        return torch.nn.ModuleList([linear(layers, kernels.fp8)])
+    return torch.nn.ModuleList([linear([layer], kernels.fp8) for layer in layers])
+
+
+def project(layers: torch.nn.ModuleList, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, S, C] (or its float8 rows) -> its queries, keys and values [B, S, H*D] each."""
+    if len(layers) == 1:
+        return layers[0](x).chunk(3, dim=-1)
+    return tuple(layer(x) for layer in layers)
+
+
+def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
+    """[4, D]: the weights of a diffusers attention's queries', keys', text queries' and text keys' RMS
+    norms (an attention without text: the text rows repeat the image's; a norm without a weight: ones)."""
+    weight_of_q = attn.to_q.weight
+    ones = torch.ones(weight_of_q.shape[0] // attn.heads, dtype=weight_of_q.dtype, device=weight_of_q.device)
+
+    def weight(norm, otherwise: torch.Tensor) -> torch.Tensor:
+        return otherwise if norm is None else ones if norm.weight is None else norm.weight.detach()
+
+    q, k = weight(attn.norm_q, ones), weight(attn.norm_k, ones)
+    return torch.stack([q, k, weight(getattr(attn, "norm_added_q", None), q),
+                        weight(getattr(attn, "norm_added_k", None), k)])
+
+
+def check_head_dim(dim: int, mode: str) -> None:
+    """The Triton kernels' head widths: a power of two, and for float8 attention one of HEAD_DIMS."""
+    setting = "fp8_attention" if mode == "fp8" else "fuse_qk_norm"
+    if dim & (dim - 1):
+        raise UserError(f"kernels.{setting}=true: the kernels take heads whose width is a power of two, this "
+                        f"model's are {dim} wide; set kernels.{setting}=false")
+    if mode == "fp8" and dim not in fp8_attention.HEAD_DIMS:
+        raise UserError(f"kernels.fp8_attention=true: the kernel takes heads of {list(fp8_attention.HEAD_DIMS)} "
+                        f"dimensions, this model's have {dim}; set kernels.fp8_attention=false")
+
+
+def kernel_attention(mode: str, q, k, v, tq, tk, tv, norm_weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     heads: int, eps: float, qk_scales: torch.Tensor | None = None, rows_out: bool = False):
+    """Attention of RMS-normalized queries and keys by our kernels, the text tokens first: the image's
+    (or every token's) projections q, k, v [B, S_i, H*D], the text's [B, S_t, H*D] or None, the norms'
+    weights [4, D] (queries, keys, text queries, text keys), the rotary embedding's cos and sin
+    [S_t + S_i, D] (ones and zeros: none). mode `kernel`: the norms and rotation in one Triton kernel
+    (kernels.fuse_qk_norm), then SDPA; `fp8`: those and the float8 quantization, then float8 attention
+    (kernels.fp8_attention, `qk_scales` its queries' and keys' scales) -> (text [B, S_t, H*D], image
+    [B, S_i, H*D]) in q's dtype, or with `rows_out` (fp8 only) as float8 rows for float8 layers."""
+    text_tokens = 0 if tq is None else tq.shape[1]
+    dtype, head_dim = q.dtype, q.shape[-1] // heads
+    if mode == "fp8":
+        q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(q, k, v, tq, tk, tv, norm_weights, cos, sin, qk_scales,
+                                                                 heads, eps)
+        count_call(FP8_ATTENTION_OP)
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+        if rows_out:
+            text8, text_scale, image8, image_scale = torch.ops.bcg.fp8_attention_rows(
+                q8, k8, v8t, qk_scales, v_scale, softmax_scale, text_tokens)
+            return QuantizedRows(text8, text_scale, dtype), QuantizedRows(image8, image_scale, dtype)
+        out = torch.ops.bcg.fp8_attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale)
+    else:
+        if mode == "kernel":
+            q, k = torch.ops.bcg.rotated_qk(q, k, tq, tk, norm_weights, cos, sin, heads, eps)
+            v = (v if tv is None else torch.cat([tv, v], dim=1)).unflatten(-1, (heads, head_dim))
+        else:
+            q, k, v = attention_inputs.rotated_reference(q, k, v, tq, tk, tv, norm_weights, cos, sin, heads, eps)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    out = out.flatten(2, 3).to(dtype)
+    text, image = out.split_with_sizes([text_tokens, out.shape[1] - text_tokens], dim=1)
+    return text, image
+
+
+class FeedForward(torch.nn.Module):
+    """diffusers' tanh-GELU FeedForward: down(GELU(up(x))), the GELU where the plan puts it."""
+
+    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, kernels: BlockKernels):
+        super().__init__()
+        self.down = linear([down], kernels.fp8)
+        self.gelu_rows = kernels.fuse_gelu and isinstance(self.down, Fp8Linear) and down.in_features <= fp8_gelu.MAX_COLS
+        self.up = linear([up], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
+
+    @classmethod
+    def of(cls, ff: torch.nn.Module, kernels: BlockKernels) -> "FeedForward":
+        """Ours of a diffusers FeedForward (net: GELU with its projection, dropout, the down-projection)."""
+        return cls(ff.net[0].proj, ff.net[2], kernels)
+
+    def forward(self, x) -> torch.Tensor:
+        return activated(self.up, self.down, self.up(x), self.gelu_rows)
+
+
+def activated(up: torch.nn.Module, down: torch.nn.Module, h: torch.Tensor, gelu_rows: bool) -> torch.Tensor:
+    """down(tanh GELU(h)), h the up-projection's output: the GELU in the down-projection's float8
+    quantization (`gelu_rows`), already applied by the up-projection's epilogue, or here."""
+    if gelu_rows:
+        x8, scale = torch.ops.bcg.gelu_quantize_rows(h.reshape(-1, h.shape[-1]))
+        return down.rows(x8, scale, h.shape, h.dtype)
+    return down(h if isinstance(up, GeluLinear) else F.gelu(h, approximate="tanh"))
+
+
+def residual_ff(rows: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
+                scale: torch.Tensor, gate_ff: torch.Tensor, ff: FeedForward, eps: float, rows_ff: bool) -> torch.Tensor:
+    """rows + gate * update, then + gate_ff * ff(its modulated norm) (rows [B, S, C], the modulation
+    [B, C] each); with `rows_ff` the add, the norm and the float8 rows the feed-forward reads in one kernel."""
+    if rows_ff:
+        added, x8, scale8 = torch.ops.bcg.residual_norm_rows(rows, update, gate, shift, scale, eps)
+        return added + gate_ff.unsqueeze(1) * ff(QuantizedRows(x8, scale8, rows.dtype))
+    added = rows + gate.unsqueeze(1) * update
+    return added + gate_ff.unsqueeze(1) * ff(modulated_norm(added, shift, scale, eps, False))
