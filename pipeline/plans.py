@@ -139,15 +139,14 @@ PLANS: dict[str, Plan] = {
 # plans whose cuda tests and benchmarks have run on a GPU (docs/BENCHMARKS.md); the others are chosen by name.
 DEFAULT_PLANS: dict[tuple[str, bool], str] = {
     ("pixart", False): "fast",
-    ("sd3", False): "compiled",
+    ("pixart", True): "fast-fp8",
+    ("sd3", False): "sd3",
+    ("sd3", True): "sd3-fp8",
     ("dit", False): "eager",
     ("flux", False): "flux",
     ("flux", True): "flux-fp8",
 }
-NOT_YET_MEASURED = "has not run on a GPU yet: name it to try it"
 FP8_REFUSALS = {  # family -> why `precision=fp8` has no plan for it
-    "pixart": f"its float8 plan {NOT_YET_MEASURED} (precision=fp8 kernels.plan=fast-fp8)",
-    "sd3": f"its float8 plan {NOT_YET_MEASURED} (precision=fp8 kernels.plan=sd3-fp8)",
     "dit": "it has no float8 blocks yet",
 }
 

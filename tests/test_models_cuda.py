@@ -440,11 +440,15 @@ def test_sd3_plans_compiled_blocks_replay_equals_the_compiled_call(name, plan):
     norms; an MMDiT-X layer; the last block ends the text stream), the blocks compiled: bf16's GELU in the
     up-projections' epilogue and SD3.5's queries' and keys' norms in their kernel; float8's layers, norms
     writing float8 rows, the GELU in the down-projections' quantization and, where the queries and keys are
-    RMS-normalized, float8 attention (SD3's attentions keep SDPA). The step stays as close to diffusers' bf16
-    step as Flux's does under the same kernels, and our graph replays it bit for bit."""
+    RMS-normalized, float8 attention (SD3's attentions keep SDPA). The bf16 step is no further from the fp32
+    step than diffusers' bf16 step is (as PixArt's fused blocks, tests/test_kernels_cuda.py); the float8 step
+    stays as close to diffusers' bf16 step as Flux's does; our graph replays either bit for bit."""
     fp8 = plan == "sd3-fp8"
     kernels = replace(PLANS[plan].resolved(), compile_decoder=False)
-    adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny(name))
+    model = tiny(name)
+    exact = build_model(model_config(name), torch.device("cuda"), torch.float32)
+    exact.transformer.load_state_dict(model.transformer.state_dict())  # the bf16 weights, in fp32
+    adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=model)
     t = adapter.transformer
     normed = t.config.qk_norm == "rms_norm"
     mode = ("fp8" if fp8 else "kernel") if normed else "torch"
@@ -455,5 +459,12 @@ def test_sd3_plans_compiled_blocks_replay_equals_the_compiled_call(name, plan):
         assert all(a.rows_out for a in t.attentions()) == normed
     else:
         assert all(isinstance(b.ff.up, GeluLinear) for b in t.blocks)
-    assert rel_err(compiled, reference) < (FP8_STEP_REL_ERR if fp8 else FUSED_STEP_REL_ERR)
+    if fp8:
+        assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
+    else:  # the fused epilogues round once from fp32: no further from the fp32 step than diffusers' bf16 step
+        with torch.no_grad():
+            truth = eager(exact, (64, 64), {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}, 2)
+        errors = {"ours": rel_err(compiled, truth), "diffusers": rel_err(reference, truth)}
+        print(f"{name} bf16 step vs fp32 step, relative error: {errors}")
+        assert errors["ours"] <= 1.25 * errors["diffusers"], errors
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)

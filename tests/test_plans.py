@@ -29,7 +29,7 @@ FAMILY = {"tiny": "pixart", "digits": "pixart", "pixart_sigma": "pixart", "tiny_
           "tiny_flux": "flux", "flux_dev": "flux", "flux_schnell": "flux", "tiny_sd3": "sd3", "sd3_medium": "sd3",
           "tiny_sd35_large": "sd3", "sd35_large": "sd3", "tiny_sd35_medium": "sd3", "sd35_medium": "sd3"}
 # family -> the plan `auto` picks on CUDA in bf16, and in float8 (None: refused)
-ON_CUDA = {"pixart": ("fast", None), "sd3": ("compiled", None), "dit": ("eager", None),
+ON_CUDA = {"pixart": ("fast", "fast-fp8"), "sd3": ("sd3", "sd3-fp8"), "dit": ("eager", None),
            "flux": ("flux", "flux-fp8")}
 
 
@@ -111,10 +111,10 @@ def test_the_default_plan_resolves_as_documented(family):
         check_kernels(plan.settings, family)
     else:
         with pytest.raises(UserError, match=rf"precision=fp8 is not offered for model family '{family}': .*"
-                                            r"kernels.plan=auto picks a float8 plan for \['flux'\]; choose precision=bf16"):
+                                            r"kernels.plan=auto picks a float8 plan for \['flux', 'pixart', 'sd3'\]; choose precision=bf16"):
             resolve_plan("auto", {}, family, "cuda", True)
     for named in [name for name, plan in PLANS.items() if family in plan.families and plan.cuda_only]:
-        plan = resolve_plan(named, {}, family, "cuda", PLANS[named].float8)  # a plan auto does not pick yet: by name
+        plan = resolve_plan(named, {}, family, "cuda", PLANS[named].float8)  # every plan of the family, by name
         assert plan.name == named and plan.settings.fp8 == PLANS[named].float8
         check_kernels(plan.settings, family)
     with pytest.raises(UserError, match="precision=fp8 needs a CUDA GPU with float8 tensor cores"):

@@ -41,9 +41,9 @@ SD3 = ("model=tiny_sd35_medium", *COMMON)
 COMPILED_PLANS = {
     "flux-bf16": ((*FLUX, "precision=bf16"), "flux"),
     "flux-fp8": ((*FLUX, "precision=fp8"), "flux-fp8"),
-    "sd3-bf16": ((*SD3, "precision=bf16", "kernels.plan=sd3"), "sd3"),
-    "sd3-fp8": ((*SD3, "precision=fp8", "kernels.plan=sd3-fp8"), "sd3-fp8"),
-    "pixart-fp8": (("model=tiny", *COMMON, "precision=fp8", "kernels.plan=fast-fp8"), "fast-fp8"),
+    "sd3-bf16": ((*SD3, "precision=bf16"), "sd3"),
+    "sd3-fp8": ((*SD3, "precision=fp8"), "sd3-fp8"),
+    "pixart-fp8": (("model=tiny", *COMMON, "precision=fp8"), "fast-fp8"),
 }
 
 
@@ -121,7 +121,7 @@ def concurrently(*commands: tuple[list[str], dict[str, str]]) -> list[subprocess
 @pytest.mark.parametrize("case", [pytest.param(case, marks=needs_fp8) if case.endswith("fp8") else case
                                   for case in COMPILED_PLANS])
 def test_compiled_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_own_cache(case, tmp_path):
-    """Flux's plans as kernels.plan=auto picks them, SD3's and PixArt's float8 plan by name: their compiled
+    """Flux's and SD3's plans and PixArt's float8 plan as kernels.plan=auto picks them: their compiled
     blocks (PixArt's: row functions) and decoder are generated for the model's native size (a fixed row
     count) whatever a job runs first, so a job stopped after two batches and resumed (loading what the
     first process compiled), and another job on the 128 x 64 rows alone, compiling for itself into its own

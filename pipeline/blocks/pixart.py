@@ -166,14 +166,18 @@ def compiled_norm(dynamic: bool, options: dict) -> NormFn:
 def compiled_rows(fn: Callable, dynamic: bool, options: dict, rows_args: tuple[int, ...] = (0,)) -> Callable:
     """A function of rows compiled with inductor (`options`: torch.compile's keywords). `dynamic`: one
     compilation for every row count of its `rows_args` (positional arguments [M, ...], None allowed), its
-    kernel generated for NORM_ROWS_HINT rows whatever row count comes first; else one per row count."""
+    kernel generated for NORM_ROWS_HINT rows whatever row count comes first; else one per row count.
+    A single row runs uncompiled (dynamo specializes a size of 1 and cannot guard it as dynamic): the
+    same rows always take the same path, so a job's bytes still do not depend on what ran before."""
     compiled = torch.compile(fn, dynamic=None if dynamic else False, fullgraph=True, **options)
 
     def call(*args):
         if dynamic:
-            for i in rows_args:
-                if args[i] is not None:
-                    torch._dynamo.mark_dynamic(args[i], 0, hint_override=NORM_ROWS_HINT)
+            rows = [args[i] for i in rows_args if args[i] is not None]
+            if any(r.shape[0] < 2 for r in rows):
+                return fn(*args)
+            for r in rows:
+                torch._dynamo.mark_dynamic(r, 0, hint_override=NORM_ROWS_HINT)
         return compiled(*args)
 
     return call
