@@ -104,8 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp8", "fp32"],
                    help="our job's precision= (fp8: the family's float8 plan); default: bf16 fp8 (--smoke: fp32)")
     p.add_argument("--plans", nargs="+", default=[], choices=list(PLANS),
-                   help="plans to run by name where they serve the family and precision (e.g. sd3 sd3-fp8 fast-fp8, "
-                        "which auto does not pick yet); default: kernels.plan=auto's")
+                   help="plans to run by name where they serve the family and precision (e.g. compiled, to "
+                        "compare diffusers' blocks compiled); default: kernels.plan=auto's")
     p.add_argument("--steps", type=int, help="every family's steps (default: each model file's own)")
     p.add_argument("--smoke", action="store_true", help="the tiny models on the CPU, in about a minute")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "benchmarks" / "families",

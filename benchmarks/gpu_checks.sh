@@ -24,7 +24,7 @@
 #                                                # jobs/manifests/flux_1024.parquet: diffusers' FluxPipeline saved once
 #                                                # per batch size, then our job against it: bf16 and precision=fp8 at
 #                                                # batch 1, precision=fp8 at batch 4; float8 images against bf16's
-#   bash benchmarks/gpu_checks.sh families       # the SD3 and PixArt-float8 cuda tests, then bench_families.py (FAMILIES_PLANS: the plans named, default sd3 sd3-fp8 fast-fp8), one process
+#   bash benchmarks/gpu_checks.sh families       # the SD3 and PixArt-float8 cuda tests, then bench_families.py (FAMILIES_PLANS: plans by name, default auto's), one process
 #                                                # per family (FAMILIES="sd3_medium sd35_large ..."; FAMILIES_ARGS="--batches 1"
 #                                                # etc.): the seed's table, diffusers' pipeline and our job at batch 1 and 8,
 #                                                # native size, bf16 and precision=fp8: img/s, ratio, peak memory, PSNR
@@ -171,7 +171,7 @@ families() {  # the seed's table: every family's diffusers pipeline and our job,
   echo "== SD3 and PixArt float8 cuda tests"; rc $code; grep -E "PASSED|FAILED|ERROR|SKIPPED|relative error" "$BENCH_OUT/pytest_families_cuda.log" | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150; tail -1 "$BENCH_OUT/pytest_families_cuda.log"
   for family in ${FAMILIES:-pixart_sigma sd3_medium sd35_large flux_dev dit_xl_2_256}; do
     rm -f "$BENCH_OUT/families_$family.json"
-    timeout -s KILL ${FAMILIES_LIMIT:-540} python3 benchmarks/bench_families.py --families $family --plans ${FAMILIES_PLANS:-sd3 sd3-fp8 fast-fp8} ${FAMILIES_ARGS:-} --work /tmp/bench-families --out "$BENCH_OUT/families_$family.json" > "$BENCH_OUT/families_$family.log" 2>&1; code=$?
+    timeout -s KILL ${FAMILIES_LIMIT:-540} python3 benchmarks/bench_families.py --families $family ${FAMILIES_PLANS:+--plans $FAMILIES_PLANS} ${FAMILIES_ARGS:-} --work /tmp/bench-families --out "$BENCH_OUT/families_$family.json" > "$BENCH_OUT/families_$family.log" 2>&1; code=$?
     echo "== families: $family ${FAMILIES_ARGS:-}"; rc $code
     [ -f "$BENCH_OUT/families_$family.json" ] && python3 benchmarks/bench_families.py --report "$BENCH_OUT/families_$family.json" | cut -c1-400
     tail_if_failed $code "$BENCH_OUT/families_$family.log"
