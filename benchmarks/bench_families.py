@@ -22,7 +22,9 @@ guidance (the model file's; `--steps` for all). Per family the model is built on
   bcg.ladder=[batch], bcg.scope=step (as +job=bench), kernels.plan=auto: the family's default plan for
   the device and each of `--precisions` (pipeline/plans.py; bf16: precision=bf16, float8:
   precision=fp8, whose refusal for a family is reported, not run), or the first of `--plans` that
-  serves the family in that precision. Images/s of its generate phase
+  serves the family in that precision; the others of `--plans` that serve it run beside it, on the
+  same rows (in the runs table: `--plans sd3 compiled` compares SD3's own blocks with diffusers'
+  blocks compiled). Images/s of its generate phase
   (after warm-up, compile and capture; the writer's PNGs included) and end to end.
 
 Text encoding: PixArt and SD3 count it on both sides (diffusers' pipeline encodes its prompts in its
@@ -104,8 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp8", "fp32"],
                    help="our job's precision= (fp8: the family's float8 plan); default: bf16 fp8 (--smoke: fp32)")
     p.add_argument("--plans", nargs="+", default=[], choices=list(PLANS),
-                   help="plans to run by name where they serve the family and precision (e.g. compiled, to "
-                        "compare diffusers' blocks compiled); default: kernels.plan=auto's")
+                   help="plans to run by name where they serve the family and precision, the first in the "
+                        "table, the others beside it (e.g. sd3 compiled); default: kernels.plan=auto's")
     p.add_argument("--steps", type=int, help="every family's steps (default: each model file's own)")
     p.add_argument("--smoke", action="store_true", help="the tiny models on the CPU, in about a minute")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "benchmarks" / "families",
@@ -144,23 +146,22 @@ def diffusers_case(base, rows: list[Item], steps: int, guidance: float, batch: i
     return {**timed, "peak_gib": peak_gib(device)}, reference
 
 
-def chosen_plan(family: str, device_type: str, float8: bool, named: list[str]):
-    """The first of the `--plans` named that serves this family in this precision, else the one
-    kernels.plan=auto picks (a UserError where it refuses)."""
-    for name in named:
-        if family in PLANS[name].families and PLANS[name].float8 == float8:
-            return resolve_plan(name, {}, family, device_type, float8)
-    return resolve_plan(AUTO, {}, family, device_type, float8)
+def chosen_plans(family: str, float8: bool, named: list[str]) -> list[str]:
+    """The `--plans` named that serve this family in this precision, in their order, else the one
+    kernels.plan=auto picks: the first is the table's, the others run beside it."""
+    serving = [name for name in named if family in PLANS[name].families and PLANS[name].float8 == float8]
+    return serving or [AUTO]
 
 
-def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str, steps: int, guidance: float,
-             baseline: tuple[dict, dict], args, device: torch.device) -> dict:
-    """Our job on these rows, on a copy of the model, against diffusers' `baseline` (timing, reference
-    images) -> its figures (pipeline.bench.comparison's), or the job's refusal of the precision."""
+def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str, plan_name: str, steps: int,
+             guidance: float, baseline: tuple[dict, dict], args, device: torch.device) -> dict:
+    """Our job with kernels.plan=`plan_name` on these rows, on a copy of the model, against diffusers'
+    `baseline` (timing, reference images) -> its figures (pipeline.bench.comparison's), or the job's
+    refusal of the plan or the precision."""
     try:
-        plan = chosen_plan(base.family, device.type, precision == "fp8", args.plans)
+        plan = resolve_plan(plan_name, {}, base.family, device.type, precision == "fp8")
     except UserError as refusal:
-        return {"refused": str(refusal)}
+        return {"refused": str(refusal), "plan": plan_name}
     ours = copy.copy(base)  # our own blocks replace the copy's transformer; the baseline keeps diffusers'
     if plan.settings.compile and not owns_blocks(plan.settings, base.family):
         ours.transformer = copy.deepcopy(base.transformer)
@@ -168,7 +169,7 @@ def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str,
         ours.vae = copy.deepcopy(base.vae)
     if hasattr(base, "text_encoders"):  # released by our job (model.offload_text_encoder), kept by the base
         ours.text_encoders = dict(base.text_encoders)
-    out = args.work / conf_name / f"b{batch}-{precision}"
+    out = args.work / conf_name / f"b{batch}-{precision}-{plan.name}"
     shutil.rmtree(out, ignore_errors=True)
     manifest = write_manifest(rows, out.parent / f"{out.name}.parquet")
     overrides = [f"model={conf_name}", f"manifest.path={manifest}", f"output.dir={out}", f"precision={precision}",
@@ -210,14 +211,21 @@ def family_stage(name: str, args, device: torch.device, results: dict) -> None:
     for batch in args.batches:
         rows = items(name, side, batch * args.calls, labels)
         timed, reference = diffusers_case(base, rows, steps, guidance, batch, device)
-        case = entry["cases"][str(batch)] = {"batch": batch, "rows": len(rows), "diffusers": timed, "ours": {}}
+        case = entry["cases"][str(batch)] = {"batch": batch, "rows": len(rows), "diffusers": timed, "ours": {},
+                                             "beside": []}
         log.info("%s b%d diffusers: %s", name, batch, timed)
         save(results, args.out)
         for precision in args.precisions:
-            case["ours"][precision] = our_case(base, conf_name, rows, batch, precision, steps, guidance,
-                                               (timed, reference), args, device)
-            log.info("%s b%d %s: %s", name, batch, precision, case["ours"][precision])
-            save(results, args.out)
+            first, *others = chosen_plans(base.family, precision == "fp8", args.plans)
+            for plan_name in (first, *others):
+                figures = our_case(base, conf_name, rows, batch, precision, plan_name, steps, guidance,
+                                   (timed, reference), args, device)
+                if plan_name == first:
+                    case["ours"][precision] = figures
+                else:
+                    case["beside"].append({"precision": precision, **figures})
+                log.info("%s b%d %s %s: %s", name, batch, precision, plan_name, figures)
+                save(results, args.out)
         quantized, full = (case["ours"].get(p, {}) for p in ("fp8", "bf16"))
         if "dir" in quantized and "dir" in full:
             case["fp8_vs_bf16"] = compare(Path(quantized["dir"]), Path(full["dir"]))
@@ -248,7 +256,7 @@ def table(results: dict) -> str:
         head += [f"ours {p} img/s", "x"]
     head += ["fp8 vs bf16 PSNR mean / min dB", "peak GiB diffusers / " + " / ".join(precisions), "seed (A100, 2.6 B DiT)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    details = ["| family | batch | precision | plan | generate img/s | end to end img/s (x) | warm-up s | capture s | "
+    details = ["| family | batch | precision | plan | generate img/s (x) | end to end img/s (x) | warm-up s | capture s | "
                "vs diffusers max / mean lvl |", "|---|---|---|---|---|---|---|---|---|"]
     for name, f in results["families"].items():
         for batch, c in f["cases"].items():
@@ -263,13 +271,15 @@ def table(results: dict) -> str:
                                     for v in peaks))
             cells.append(SEED_TABLE.get(int(batch), "-"))
             lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
-            for p, o in c["ours"].items():
+            runs = [(p, o) for p, o in c["ours"].items()] + [(o["precision"], o) for o in c.get("beside", [])]
+            for p, o in runs:
                 if "refused" in o:
                     details.append(f"| {name} | {batch} | {p} | refused: {o['refused']} | | | | | |")
                     continue
-                details.append(f"| {name} | {batch} | {p} | {o['plan']} | {_x(o['generate_images_per_s'], '.3f')} | "
-                               f"{o['images_per_s']:.3f} ({o['speedup_end_to_end']:.2f}x) | {o['warmup_s']} | "
-                               f"{o['capture_s']} | {o['vs_diffusers'].get('max', '-')} / {o['vs_diffusers'].get('mean', '-')} |")
+                details.append(f"| {name} | {batch} | {p} | {o['plan']} | {_x(o['generate_images_per_s'], '.3f')} "
+                               f"({o['speedup_generate']:.2f}x) | {o['images_per_s']:.3f} ({o['speedup_end_to_end']:.2f}x) | "
+                               f"{o['warmup_s']} | {o['capture_s']} | {o['vs_diffusers'].get('max', '-')} / "
+                               f"{o['vs_diffusers'].get('mean', '-')} |")
     notes = ["x: our generate phase's img/s over diffusers' (after warm-up), this run; text encoding counted on "
              "both sides, on neither, or none to count; peak GiB: allocated, the model's weights included"]
     return "\n".join(["Families", *lines, *notes, "", "Runs", *details, "", f"wall {results.get('wall_s', 'not finished')} s"])

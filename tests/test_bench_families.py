@@ -1,7 +1,7 @@
 """benchmarks/bench_families.py on the CPU (each family's tiny model, no graphs), run as a user runs it:
 every family at every batch on both sides (diffusers' own pipeline and our job) on the same rows and
 seeds, the same images, the seed's table printed and saved; a precision a job refuses is reported as
-refused, not run."""
+refused, not run; plans named run beside the table's."""
 
 from __future__ import annotations
 
@@ -31,10 +31,15 @@ def test_smoke_run_measures_every_family_at_every_batch_on_both_sides_and_prints
     again = run_benchmark("bench_families.py", "--report", str(out))
     assert again.returncode == 0 and "| dit_xl_2_256 | 2 | fp32 | eager |" in again.stdout
 
-    refused = tmp_path / "refused.json"
+    # two plans named: the first in the table, the other beside it on the same rows; float8 refused on a CPU
+    named = tmp_path / "named.json"
     proc = run_benchmark("bench_families.py", "--smoke", "--families", "dit_xl_2_256", "--batches", "1", "--precisions",
-                         "fp8", "--work", str(tmp_path / "work"), "--out", str(refused))
+                         "fp32", "fp8", "--plans", "eager", "compiled", "--work", str(tmp_path / "work"), "--out", str(named))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    case = json.loads(refused.read_text())["families"]["dit_xl_2_256"]["cases"]["1"]
-    assert "precision=fp8 needs a CUDA GPU" in case["ours"]["fp8"]["refused"]
+    case = json.loads(named.read_text())["families"]["dit_xl_2_256"]["cases"]["1"]
+    assert case["ours"]["fp32"]["plan"] == "eager" and "precision=fp8 needs a CUDA GPU" in case["ours"]["fp8"]["refused"]
+    [beside] = case["beside"]
+    assert (beside["precision"], beside["plan"], beside["images"]) == ("fp32", "compiled", 2)
+    assert beside["vs_diffusers"]["max"] <= 1 and beside["dir"] != case["ours"]["fp32"]["dir"]
     assert "| dit_xl_2_256 | 64 | 1 | 2 | none (class labels) |" in proc.stdout and "| refused |" in proc.stdout
+    assert "| dit_xl_2_256 | 1 | fp32 | compiled |" in proc.stdout
