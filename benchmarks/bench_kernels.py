@@ -63,9 +63,9 @@ from pipeline.timing import environment, time_calls
 # (inductor's max-autotune-no-cudagraphs), tune (its coordinate-descent tuning of the generated
 # kernels); both time their choices (kernels.compile_tuning=timed), every other compile takes
 # compile_tuning=fixed (block sizes from inductor's heuristics); fuse (fused q|k|v projections),
-# gelu (the feed-forward's GELU in the matmul's epilogue), residual (kernels.fuse_residual: PixArt's own
-# blocks, on a copy of the adapter; with compile, their layer norms and constants only: compile_scope=norms).
-# fuse and gelu change the run's one model for good: see ModelState.
+# gelu (the feed-forward's GELU in the matmul's epilogue: PixArt's own blocks, with residual), residual
+# (kernels.fuse_residual: PixArt's own blocks, on a copy of the adapter; with compile, their layer norms and
+# constants only: compile_scope=norms). fuse changes the run's one model for good: see ModelState.
 DEFAULT_VARIANTS = ["auto", "flash", "efficient", "cudnn", "cudnn+compile", "cudnn+compile+blocks", "cudnn+gelu+residual"]
 OPTIONS = ("compile", "static", "blocks", "autotune", "tune", "fuse", "gelu", "residual")
 COMPILE_OPTIONS = ("static", "blocks", "autotune", "tune")
@@ -111,27 +111,22 @@ def variant_kernels(name: str) -> KernelSettings:
 
 @dataclass
 class ModelState:
-    """What earlier variants of this run did to its one model. Fusing removes the unfused projections
-    and the GELU epilogue swaps the activation modules, so neither can be undone: a variant that needs a
-    state behind the model's is skipped, with the command to run it (our own blocks, kernels.fuse_residual,
-    are built on a copy of the adapter and leave the model as it was)."""
+    """What earlier variants of this run did to its one model. Fusing removes the unfused projections,
+    which cannot be undone: a variant that needs the model before is skipped, with the command to run it
+    (our own blocks, kernels.fuse_residual, are built on a copy of the adapter and leave the model as it was)."""
 
     fused: bool = False
-    gelu: bool = False
     reference: torch.Tensor | None = None  # the first variant's output, for the error column
 
     def changes_for(self, name: str, want: KernelSettings) -> KernelSettings:
         """`want` with only the changes still to make (UserError: the state it needs is behind us)."""
-        if (self.fused and not want.fuse_qkv) or (self.gelu and not want.fuse_gelu):
-            raise UserError(f"needs the model before earlier variants fused its projections or GELUs: run it in its "
+        if self.fused and not want.fuse_qkv:
+            raise UserError(f"needs the model before earlier variants fused its projections: run it in its "
                             f"own command (--variants {name})")
-        owned = want.fuse_residual  # its blocks take the GELU themselves, from the activation's projection
-        return replace(want, fuse_qkv=want.fuse_qkv and not self.fused,
-                       fuse_gelu=want.fuse_gelu and (owned or not self.gelu))
+        return replace(want, fuse_qkv=want.fuse_qkv and not self.fused)
 
     def applied(self, done: KernelSettings) -> None:
         self.fused = self.fused or done.fuse_qkv
-        self.gelu = self.gelu or (done.fuse_gelu and not done.fuse_residual)
 
 
 def matmul_rate(device: torch.device, iters: int, n: int) -> float:
@@ -305,7 +300,8 @@ def bench_variant(adapter, name: str, side: int, bucket: int, inputs, device, it
         err = (eager.float() - state.reference).norm() / state.reference.norm()
     row = {"ms": round(ms, 3), "setup_s": round(setup_s, 2), "first_pass_s": round(engine.metrics.first_pass_s, 2),
            "replay_equals_eager": same, "attention_calls": report.get("attention_calls_per_forward"),
-           "rel_err_vs_first": round(float(err), 5), "fused": state.fused, "gelu_epilogue": state.gelu}
+           "rel_err_vs_first": round(float(err), 5), "fused": state.fused,
+           "fused_gelu_layers": report.get("fused_gelu_layers", 0)}
     if profile:
         row["profile_ms"], row["profile_top"] = profile_categories(lambda: fn(inputs), device)
     engine.close()
@@ -421,8 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["step_tflop"] = sum(results["step_flops_by_kind"].values()) / 1e12
     results["variants"] = {}
     variants = [v for v in args.variants if device.type == "cuda" or not asked[v].compile]
-    # Fused projections and GELU epilogues change the model for every later variant: they run last.
-    variants = sorted(variants, key=lambda v: (asked[v].fuse_gelu and not asked[v].fuse_residual, asked[v].fuse_qkv))
+    # Fused projections change the model for every later variant: they run last.
+    variants = sorted(variants, key=lambda v: asked[v].fuse_qkv)
     state = ModelState()
     if not args.no_scopes and device.type == "cuda" and not smoke:
         reset_compile(adapter)

@@ -10,7 +10,8 @@ Flux's and SD3's MM-DiT blocks share their parts (pipeline.blocks.joint).
 
 `own_blocks` replaces the adapter's transformer with ours (the adapter instance only: a copy made
 before, e.g. a benchmark's baseline, keeps diffusers' own). Other families, and these without those
-settings, keep diffusers' transformer; `swap_tanh_gelus` gives its feed-forwards the GELU epilogue.
+settings, keep diffusers' transformer as it is: the settings that change a block's computation
+(kernels.fuse_gelu among them) are refused for them (pipeline.kernels.check_kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 
 from pipeline.blocks import flux, pixart, sd3
 from pipeline.blocks.joint import JointKernels
-from pipeline.blocks.layers import OwnTransformer, swap_tanh_gelus
+from pipeline.blocks.layers import OwnTransformer
 from pipeline.errors import UserError
 from pipeline.kernels.compile import compile_options
 from pipeline.plans import KernelSettings
@@ -48,7 +49,7 @@ def owns_blocks(settings: KernelSettings, family: str) -> bool:
 
 def own_blocks(settings: KernelSettings, adapter) -> dict:
     """The adapter's transformer as our blocks where the settings ask for them (`owns_blocks`), else
-    diffusers' with its tanh GELUs in the matmuls' epilogue (kernels.fuse_gelu) -> what the job reports."""
+    diffusers' as it is -> what the job reports."""
     if is_own(adapter.transformer):
         raise UserError(f"model {adapter.name} already runs our own blocks ({type(adapter.transformer).__name__}): "
                         "kernels are applied once, to the model as built")
@@ -83,14 +84,7 @@ def own_blocks(settings: KernelSettings, adapter) -> dict:
             log.info("kernels: PixArt's own blocks (%d), their residual adds inside the matmuls, layer norms by %s",
                      len(adapter.transformer.blocks), f"the Triton kernel {norm}" if cuda else f"PyTorch's ops ({norm})")
         return {"own_blocks": "pixart", "fused_residual_blocks": len(adapter.transformer.blocks), "residual_norm": norm,
-                **({"fp8_blocks": True} if settings.fp8 else {})}
-    if settings.fuse_gelu:
-        swapped = swap_tanh_gelus(adapter.transformer)
-        if not swapped:
-            raise UserError("kernels.fuse_gelu=true: this transformer has no tanh-GELU feed-forward with a biased "
-                            "projection to fuse; set kernels.fuse_gelu=false")
-        log.info("kernels: %d feed-forward GELUs in the up-projection's cuBLASLt epilogue", swapped)
-        return {"fused_gelu_layers": swapped}
+                "fused_gelu_layers": adapter.transformer.fused_gelus(), **({"fp8_blocks": True} if settings.fp8 else {})}
     return {}
 
 

@@ -130,18 +130,3 @@ def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, as_fp8: bool = Fa
     if gelu:
         return GeluLinear(weight, bias)
     return Linear(weight, bias)
-
-
-def swap_tanh_gelus(transformer: torch.nn.Module) -> int:
-    """Every diffusers `GELU` activation module (tanh, a biased projection inside) of this diffusers
-    transformer swapped for a GeluLinear of its projection (its parent's child replaced: the class and
-    other instances keep theirs) -> modules swapped."""
-    from diffusers.models.activations import GELU
-
-    swapped = 0
-    for parent in list(transformer.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, GELU) and child.approximate == "tanh" and child.proj.bias is not None:
-                setattr(parent, name, GeluLinear(child.proj.weight, child.proj.bias))
-                swapped += 1
-    return swapped

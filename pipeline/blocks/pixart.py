@@ -248,6 +248,7 @@ class ResidualBlock(torch.nn.Module):
         up = block.ff.net[0]  # diffusers' activation module, its projection inside
         self.ff_up = GeluLinear(up.proj.weight, up.proj.bias) if gelu_epilogue else up
         self.ff_down = _weight(block.ff.net[2].weight)
+        self.fused_gelu = gelu_epilogue  # the GELU in the up-projection's epilogue
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None, c: StepConstants,
                 norm: NormFn, cross_query: torch.Tensor) -> torch.Tensor:
@@ -304,6 +305,10 @@ class PixArtTransformer(OwnTransformer):
 
     def stack(self) -> BlockStack:
         return BlockStack(*(getattr(self, f.name) for f in fields(BlockStack)))
+
+    def fused_gelus(self) -> int:
+        """How many blocks run their feed-forward's GELU fused (kernels.fuse_gelu)."""
+        return sum(block.fused_gelu for block in self.blocks)
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
                 added_cond_kwargs: dict | None = None, encoder_attention_mask: torch.Tensor | None = None,

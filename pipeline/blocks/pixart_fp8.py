@@ -95,6 +95,11 @@ class Fp8ResidualBlock(torch.nn.Module):
         self.gelu_rows = (fuse_gelu and isinstance(self.ff_down, Fp8Linear)
                           and self.ff_down.in_features <= fp8_gelu.MAX_COLS)
 
+    @property
+    def fused_gelu(self) -> bool:
+        """The GELU in the down-projection's float8 quantization."""
+        return self.gelu_rows
+
     def forward(self, h: torch.Tensor, update: torch.Tensor | None, gate: torch.Tensor | None,
                 context: QuantizedRows, mask: torch.Tensor | None, m: Modulations,
                 rows: RowFunctions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -86,12 +86,16 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FP8_NORM: (("flux", "sd3"), "it computes the norms of " + JOINT_BLOCKS),
     FP8: (("pixart", "sd3", "flux"), "its float8 layers are those of the own blocks of model families {families}; "
                                      "this model is {family!r}"),
+    FUSE_GELU: (("pixart", "sd3", "flux"), "its GELU runs in the feed-forwards of the own blocks of model families "
+                                           "{families}; this model is {family!r}"),
 }
 
 # (option, family) -> (the option it needs for that family, why)
 FAMILY_REQUIRES: dict[tuple[Option, str], tuple[Option, str]] = {
     (FP8, "pixart"): (FUSE_RESIDUAL, "PixArt's float8 layers are those of its own residual blocks "
                                      "(pipeline/blocks/pixart_fp8.py)"),
+    (FUSE_GELU, "pixart"): (FUSE_RESIDUAL, "PixArt's GELU epilogue is in the feed-forwards of its own residual blocks "
+                                           "(pipeline/blocks/pixart.py)"),
 }
 
 # (option, option it cannot be combined with, why the first excludes the second)
@@ -153,6 +157,10 @@ def check_kernels(kernels: KernelSettings, family: str | None = None, device: to
             instead = " or ".join(option.off for option in together)
             raise UserError(f"{keys} needs kernels.{needed.key}: {why.format_map(vars(kernels))}; "
                             f"set kernels.{needed.key}, or {instead}")
+    if device is not None and torch.device(device).type != "cuda":  # first: no other setting makes it run
+        for option, why in NEEDS_CUDA.items():
+            if option.on(kernels) and not (option is FUSE_GELU and kernels.fp8):
+                raise UserError(f"kernels.{option.key} needs CUDA: {why}; set {option.off}")
     if family is not None:
         refusal = family_refusal(kernels, family)
         if refusal:
@@ -161,10 +169,6 @@ def check_kernels(kernels: KernelSettings, family: str | None = None, device: to
             if family == needs_family and option.on(kernels) and not needed.on(kernels):
                 raise UserError(f"kernels.{option.key} for model family {family!r} needs kernels.{needed.key}: {why}; "
                                 f"set kernels.{needed.key}, or {option.off}")
-    if device is not None and torch.device(device).type != "cuda":
-        for option, why in NEEDS_CUDA.items():
-            if option.on(kernels) and not (option is FUSE_GELU and kernels.fp8):
-                raise UserError(f"kernels.{option.key} needs CUDA: {why}; set {option.off}")
     for each in CHECKS:
         each(kernels, device)
 
