@@ -8,10 +8,10 @@ On the GPU, from the repository root (PixArt-Sigma's SDXL VAE at its real size, 
 Each run is a fresh process on one inductor cache (`--cache`, or a new temporary directory): it builds
 the model, compiles the decoder as `kernels.compile_decoder` does (`pipeline.kernels.decoder.
 compile_decoder`: one compilation for every resolution, `--chunk` latents per call, its first pass at
-the model's native size), then decodes `--chunk` latents at 1024 px from a fixed seed. Reported per run: the first
+512 px), then decodes `--chunk` latents at 1024 px from a fixed seed. Reported per run: the first
 pass's seconds, dynamo's trace attempts (a second attempt is a second trace of the decoder), and for
 the warm run whether its images equal the cold run's, byte for byte.
-CPU check: `--smoke` (the tiny model's VAE in fp32, at 64 px).
+CPU check: `--smoke` (the tiny model's VAE in fp32, 32 px then 64 px).
 """
 
 # ruff: noqa: E402
@@ -55,14 +55,12 @@ def one_run(args: argparse.Namespace) -> dict:
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    name, side = ("tiny", 64) if args.smoke else ("pixart_sigma", 1024)
+    name, probe, side = ("tiny", 32, 64) if args.smoke else ("pixart_sigma", 512, 1024)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                               OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))
     adapter = build_model(cfg, device, dtype)
     built = time.perf_counter()
-    decode = compile_decoder(adapter, args.chunk)
-    decode.wait()  # its first pass, at the model's native size, here
-    seconds = decode.first_pass_s
+    seconds = compile_decoder(adapter, args.chunk, probe)
     latents = torch.randn(args.chunk, *adapter.latent_shape(side, side), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         images = adapter.decode(latents.to(device, dtype)).float().cpu()

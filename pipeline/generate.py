@@ -2,8 +2,7 @@
 
 `submit_batch` queues a batch's work (conditioning, noise, denoise, decode, the uint8 conversion and
 the finite check, and the copy of both into pinned host memory) and returns a `PendingBatch` at
-once (while the compiled decoder's first pass still runs beside the job, the batch keeps its latents
-and the writer thread decodes them once that pass is done); the writer thread resolves it (waits for its event, builds its rows) while the main thread
+once; the writer thread resolves it (waits for its event, builds its rows) while the main thread
 queues the next batch. So the GPU never waits for PNG encoding, Parquet writes or the host's
 preparation of the next batch. `Inflight` bounds how far the host runs ahead, and `GpuBusy` measures
 what is left of the waiting, from events on the GPU's own timeline.
@@ -14,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -50,9 +48,6 @@ class PendingBatch:
     done: torch.cuda.Event | None = None
     parts: list["PendingBatch"] = field(default_factory=list)  # an out-of-memory split
     error: str | None = None  # every row failed with this reason
-    latents: torch.Tensor | None = None  # denoised, not decoded yet: `decode` decodes them in `resolve`
-    decode: Callable[[torch.Tensor], torch.Tensor] | None = None
-    denoised: torch.cuda.Event | None = None  # after the denoise, for a batch that keeps its latents
 
     def resolve(self) -> BatchResult:
         rows, images = self._rows()
@@ -70,8 +65,6 @@ class PendingBatch:
         if self.error is not None:
             self.stats.add_batch(b.height, b.width, b.bucket, n, 0, {})
             return [shard_row(it, b, self.fields, self.error) for it in b.items], [None] * n
-        if self.latents is not None:
-            self._decode_late()
         if self.done is not None:
             self.done.synchronize()
         seconds = self.timer.seconds()
@@ -83,24 +76,14 @@ class PendingBatch:
         self.stats.add_batch(b.height, b.width, b.bucket, n, int(finite.sum()), seconds)
         return rows, [pixels[i] if ok else None for i, ok in enumerate(finite)]
 
-    def _decode_late(self) -> None:
-        """The decode `submit_batch` left to the writer thread: here, in batch order, once the
-        decoder's first pass is done (the decode waits for it)."""
-        with self.timer.stage("decode"):
-            self.pixels, self.finite = decode_to_host(self.decode, self.latents)
-        self.latents = None
-        if self.denoised is not None:
-            self.done = torch.cuda.Event()
-            self.done.record()
-
 
 def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                      stats: RunStats, decode_now: bool = True) -> PendingBatch:
+                      stats: RunStats) -> PendingBatch:
     """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
     its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
     that still does not fit is marked failed. The batch still commits as one shard under its key."""
     try:
-        return submit_batch(adapter, denoiser, prompts, batch, fields, stats, decode_now)
+        return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
     except torch.OutOfMemoryError:
         if adapter.device.type == "cuda":
             torch.cuda.synchronize(adapter.device)
@@ -111,12 +94,11 @@ def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache
     if len(items) > 1:
         half = (len(items) + 1) // 2
         halves = (items[:half], items[half:])
-        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats,
-                                   decode_now) for h in halves]
+        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats) for h in halves]
         return PendingBatch(batch, fields, stats, parts=parts)
     try:
         with denoiser.engine.eager():
-            return submit_batch(adapter, denoiser, prompts, batch, fields, stats, decode_now)
+            return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
     except torch.OutOfMemoryError:
         return PendingBatch(batch, fields, stats, error=OUT_OF_MEMORY)
 
@@ -126,9 +108,8 @@ def sub_batch(batch: Batch, items, ladder) -> Batch:
 
 
 def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                 stats: RunStats, decode_now: bool = True) -> PendingBatch:
-    """Queue one planned batch's device work; nothing here waits for the device. `decode_now`
-    False: the batch keeps its latents, for the writer thread to decode (`PendingBatch.resolve`)."""
+                 stats: RunStats) -> PendingBatch:
+    """Queue one planned batch's device work; nothing here waits for the device."""
     items = batch.items
     n = len(items)
     device = adapter.device
@@ -142,26 +123,15 @@ def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, bat
         guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
     with timer.stage("denoise"):
         latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width)
-    if not decode_now:
-        pending = PendingBatch(batch, fields, stats, timer, latents=latents, decode=adapter.decode)
-        if device.type == "cuda":
-            pending.denoised = torch.cuda.Event()
-            pending.denoised.record()
-        return pending
     with timer.stage("decode"):
-        pixels, finite = decode_to_host(adapter.decode, latents)
-    pending = PendingBatch(batch, fields, stats, timer, pixels, finite)
+        images = adapter.decode(latents)
+        finite = torch.isfinite(images).flatten(1).all(1)
+        pixels = to_uint8(images)
+    pending = PendingBatch(batch, fields, stats, timer, to_host(pixels), to_host(finite))
     if device.type == "cuda":
         pending.done = torch.cuda.Event()
         pending.done.record()
     return pending
-
-
-def decode_to_host(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """latents -> (uint8 pixels [n, H, W, 3], finite [n]), each copied to the host without waiting."""
-    images = decode(latents)
-    finite = torch.isfinite(images).flatten(1).all(1)
-    return to_host(to_uint8(images)), to_host(finite)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -216,8 +186,7 @@ class Inflight:
 def _events_of(pending: PendingBatch) -> list[torch.cuda.Event]:
     if pending.parts:
         return [e for p in pending.parts for e in _events_of(p)]
-    event = pending.done if pending.done is not None else pending.denoised  # a batch keeping its latents: its denoise
-    return [event] if event is not None else []
+    return [pending.done] if pending.done is not None else []
 
 
 class GpuBusy:

@@ -31,7 +31,7 @@ from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               process_settings, start_compile_workers, with_attention)
-from pipeline.kernels.decoder import CompiledDecode, padding_note as decoder_padding_note
+from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
@@ -101,7 +101,6 @@ class Built:
     compiled_before: dict[str, Any]  # compile_stats() before the kernels were applied
     fields: dict[str, Any]  # job_fields: what every output row says about how it was made
     memory: MemoryMarks  # the device memory of the model, and (step 13) as denoising starts
-    decoder: CompiledDecode | None  # kernels.compile_decoder's decode, whose first pass step 13 starts
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,6 @@ class Generated:
     gpu_busy: GpuBusyReport | None
     output: OutputReport  # what the writer wrote
     first_commit_at: float | None  # perf_counter when the first batch was committed (None: none was)
-    deferred_decodes: int  # batches whose latents waited for the compiled decoder's first pass
 
 
 def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: Adapter | None = None,
@@ -198,7 +196,6 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         # 13. Graphs for every resolution this shard runs, before its first batch; the device memory then.
         capture(built.denoiser, todo, cfg.bcg.capture)
         stats.startup.lap("graphs")
-        start_decoder(built.decoder, cfg.bcg.lazy)
         built.memory.denoise(built.adapter.holds_text_encoders)
         stop.check()
 
@@ -383,21 +380,7 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
     assert (fields["model"], fields["sampler"]) == (adapter.name, denoiser.sampler_label), (fields, adapter.name)
     memory.model()
     clock.lap("kernels")
-    decoder = adapter.decode if isinstance(adapter.decode, CompiledDecode) else None
-    return Built(adapter, denoiser, kernels, compiled_before, fields, memory, decoder)
-
-
-def start_decoder(decoder: CompiledDecode | None, lazy: bool) -> None:
-    """The compiled decoder's first pass (its compile, or its load from the kernel cache): on a
-    thread of its own while the first batches denoise, once every graph is captured. With bcg.lazy a
-    graph may be captured during the run, and a capture takes no other thread's kernels: then here,
-    before the first batch."""
-    if decoder is None:
-        return
-    if lazy:
-        decoder.wait()
-    else:
-        decoder.start()
+    return Built(adapter, denoiser, kernels, compiled_before, fields, memory)
 
 
 def engine_factory(cfg: JobConfig, attention: str, ladder: list[int], device: torch.device) -> Callable[..., BCGEngine]:
@@ -527,7 +510,6 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
                     output.encode_threads)
     busy = GpuBusy(built.adapter.device)
     inflight = Inflight(runtime.inflight_batches)
-    deferred = 0
     stats.generate_started = time.perf_counter()
     try:
         with logging_redirect_tqdm(), tqdm(total=sum(len(b.items) for b in todo), unit="img",
@@ -535,9 +517,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
             for batch in todo:
                 bar.set_postfix_str(f"{size_label(batch.height, batch.width)} b{batch.bucket}")
                 busy.begin()
-                decode_now = built.decoder is None or built.decoder.ready()
-                deferred += not decode_now
-                pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats, decode_now)
+                pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats)
                 busy.end()
                 writer.submit(pending)
                 inflight.admit(pending)
@@ -549,19 +529,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
     generate_s = time.perf_counter() - stats.generate_started
     written = OutputReport(layout=output.layout, shard_files=writer.assembler.shard_files,
                            bytes_per_format=dict(sorted(writer.bytes_per_format.items())))
-    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s), written, writer.first_commit_at,
-                     deferred)
-
-
-def decoder_report(built: Built, generated: Generated) -> dict[str, Any]:
-    """The compiled decoder's first pass (when this job made it, not an earlier job of the sweep that
-    kept the model) and the batches whose latents waited for it."""
-    if built.decoder is None:
-        return {}
-    report = {"decoder_deferred_batches": generated.deferred_decodes}
-    if not built.kernels.get("model_kept"):
-        report["decoder_first_pass_s"] = None if built.decoder.first_pass_s is None else round(built.decoder.first_pass_s, 2)
-    return report
+    return Generated(generate_s, round(writer.busy_s, 4), busy.report(generate_s), written, writer.first_commit_at)
 
 
 def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, todo: list[Batch], invalid: int,
@@ -585,7 +553,6 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         gpu_busy=generated.gpu_busy,
         gpu_memory=built.memory.report(engine.peak_memory()),
         kernels={**built.kernels, "first_pass_s": round(engine.metrics.first_pass_s, 4),
-                 **decoder_report(built, generated),
                  **(compile_stats(since=built.compiled_before) if k.compile or k.compile_decoder else {})},
         ladder_auto=None if auto is None else {**auto, "measured_denoise_s": round(stats.stage_s["denoise"], 4)},
         versions=library_versions(),

@@ -10,7 +10,6 @@ while fixed tuning gives the same decoder kernels in every process."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Callable
@@ -48,89 +47,35 @@ def padding_note(kernels: KernelSettings, largest_batch: int) -> str | None:
             f"chunk of {chunk}'s)")
 
 
-def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
-    """-> {"compile_decoder", "decode_chunk"} when on, else {}. The adapter decodes through a
-    `CompiledDecode` from now on; its first pass runs when the job starts it (`CompiledDecode.start`)
-    or, at the latest, before the first latents are decoded."""
+def apply(kernels: KernelSettings, adapter: Adapter, first_call: bool = True) -> dict:
+    """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}. `first_call`:
+    compile now (a chunk decoded at the model's native size), not at the first batch."""
     if not kernels.compile_decoder:
         return {}
-    compile_decoder(adapter, kernels.decode_chunk)
-    log.info("kernels: VAE decoder compiled with inductor (mode=%s, tuning %s), %d latents per call; its first "
-             "pass runs beside the first batches", *DECODER_COMPILE, kernels.decode_chunk)
-    return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk}
+    seconds = compile_decoder(adapter, kernels.decode_chunk, adapter.native_side if first_call else None)
+    log.info("kernels: VAE decoder compiled with inductor (mode=%s, tuning %s), %d latents per call; first pass %.1f s",
+             *DECODER_COMPILE, kernels.decode_chunk, seconds)
+    return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
 
 
-def compile_decoder(adapter: Adapter, chunk: int) -> CompiledDecode:
-    """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through a
-    `CompiledDecode` of it from now on (the adapter instance's `decode`) -> that CompiledDecode."""
+def compile_decoder(adapter: Adapter, chunk: int, side: int | None) -> float:
+    """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through
+    `decode_in_chunks` from now on (the adapter instance's `decode`); with `side`, decode one chunk of
+    zeros of that side now, so that the compile happens at warm-up, not in the first batch, and its
+    kernels are generated for the same size in every process and job (the model's native size, not
+    the job's first) -> seconds that took."""
     compile_vae_decoder(adapter.vae.decoder)
-    shape = (1, *adapter.latent_shape(adapter.native_side, adapter.native_side))
-    adapter.decode = CompiledDecode(adapter.decode, chunk, shape, adapter.dtype, adapter.device)
-    return adapter.decode
-
-
-class CompiledDecode:
-    """An adapter's `decode` under kernels.compile_decoder: `decode_in_chunks` over the compiled
-    decoder, whose first pass (one chunk of zeros at the model's native size: the compile, or its
-    load from the kernel cache) comes before any latents are decoded, so that its kernels are
-    generated for the same size in every process and job, whatever the job decodes first.
-
-    `start` runs that pass on a thread of its own: the job starts it once its graphs are captured,
-    and its first batches denoise meanwhile; `ready` says whether it is done (until then the job
-    keeps their latents, pipeline.generate), and every decode waits for it (`wait`). Only the time
-    changes: the compiled decoder is the same, and so are the images."""
-
-    def __init__(self, decode: Callable[[torch.Tensor], torch.Tensor], chunk: int, first_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device):
-        self._decode, self.chunk = decode, chunk
-        self._first = (first_shape, dtype, device)
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self.first_pass_s: float | None = None
-
-    def start(self) -> None:
-        """Run the first pass on a thread of its own (once; nothing when it ran)."""
-        with self._lock:
-            if self._thread is None and not self._done.is_set():
-                self._thread = threading.Thread(target=self._first_pass, name="decoder-first-pass", daemon=True)
-                self._thread.start()
-
-    def ready(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        """Until the first pass is done (run here when nothing started it); raises its error."""
-        if not self._done.is_set():
-            with self._lock:
-                started = self._thread is not None
-                if not started and not self._done.is_set():
-                    self._first_pass()
-            self._done.wait()
-        if self._error is not None:
-            raise RuntimeError(f"the VAE decoder's first pass (kernels.compile_decoder) failed: {self._error!r}") \
-                from self._error
-
-    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
-        self.wait()
-        return decode_in_chunks(self._decode, latents, self.chunk)
-
-    def _first_pass(self) -> None:
-        shape, dtype, device = self._first
-        start = time.perf_counter()
-        try:
-            with torch.no_grad():
-                decode_in_chunks(self._decode, torch.zeros(shape, dtype=dtype, device=device), self.chunk)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except Exception as err:  # raised where the images are decoded (wait), not lost with this thread
-            self._error = err
-        self.first_pass_s = time.perf_counter() - start
-        self._done.set()
-        if self._error is None:
-            log.info("kernels: the VAE decoder's first pass took %.1f s (compiled, or loaded from the kernel cache)",
-                     self.first_pass_s)
+    decode = adapter.decode
+    adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
+    if side is None:
+        return 0.0
+    start = time.perf_counter()
+    zeros = torch.zeros(1, *adapter.latent_shape(side, side), dtype=adapter.dtype, device=adapter.device)
+    with torch.no_grad():
+        adapter.decode(zeros)
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    return time.perf_counter() - start
 
 
 def compile_vae_decoder(decoder: torch.nn.Module) -> None:
@@ -139,19 +84,15 @@ def compile_vae_decoder(decoder: torch.nn.Module) -> None:
     marked static on the tensor the compiled code receives, and duck sizing is off while dynamo
     traces: it would give a square latent's two sides one symbol, so a non-square one recompiles.
     dynamo traces it under TRACED_ONCE (once, not twice, in every process).
-    The compiled forward is this decoder instance's; its class keeps its own. It runs under dynamo's
-    compile lock: the settings it patches while it traces are not seen by another thread's compile."""
+    The compiled forward is this decoder instance's; its class keeps its own."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
-    from torch._dynamo.convert_frame import compile_lock
 
     compiled = torch.compile(type(decoder).forward.__get__(decoder), dynamic=True, fullgraph=True, **compile_options(*DECODER_COMPILE))
 
     def forward(sample: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         torch._dynamo.mark_static(sample, 0)
-        # The settings below are the process's while they hold: under dynamo's compile lock, no other
-        # thread compiles (or decodes) with them (the first pass runs beside the job's main thread).
-        with compile_lock, fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(**TRACED_ONCE), \
+        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(**TRACED_ONCE), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=CACHED_CALL_NOTICE, category=UserWarning)
             return compiled(sample, *args, **kwargs)
