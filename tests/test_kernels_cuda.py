@@ -164,9 +164,10 @@ def test_attention_backend_is_applied_and_reported(tmp_path, demo):
 def test_fast_kernels_job_matches_eager_kernels_within_tolerance(tmp_path, demo):
     import numpy as np
 
-    fast = run(cpu_job(demo, tmp_path / "fast", *GPU, "kernels.plan=fast"))
+    fast = run(cpu_job(demo, tmp_path / "fast", *GPU))  # kernels.plan=auto: PixArt's on CUDA in bf16 is fast
     plain = run(cpu_job(demo, tmp_path / "plain", *GPU, "kernels.plan=eager"))
     assert fast["images"]["ok"] == plain["images"]["ok"] == 12 and fast["bcg"]["misses"] == 0
+    assert (fast["kernels"]["plan"], fast["kernels"]["chosen"]) == ("fast", "auto: pixart on cuda")
     assert fast["kernels"]["fused_residual_blocks"] > 0 and fast["kernels"]["first_pass_s"] > 0
     diffs = [np.abs(png(p).astype(int) - png(tmp_path / "plain" / "images" / p.name).astype(int))
              for p in (tmp_path / "fast" / "images").iterdir()]
