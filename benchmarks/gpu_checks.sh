@@ -63,6 +63,12 @@
 #   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it twice with
 #                                                # one fresh kernels.compile_cache_dir: cold (empty), then warm (the
 #                                                # first run's cache), as a job's first and later processes
+#   bash benchmarks/gpu_checks.sh flux-aspects   # FLUX.1-dev float8 on the 24 rows of jobs/manifests/flux_aspects.parquet
+#                                                # (four aspect ratios), as +job=bench runs it: diffusers' FluxPipeline
+#                                                # saved once, then our job warm (a per-user cache written by a job on
+#                                                # flux_1024.parquet's rows) and cold (an empty one); warm vs cold images
+#   bash benchmarks/gpu_checks.sh sweep          # PixArt-Sigma, 60 rows: one job, then a 3-job one-process sweep over
+#                                                # bcg/ladder (the later jobs keep the model), on one warm per-user cache
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -293,6 +299,36 @@ cache_200() {
 
 
 
+startup_job() {  # NAME BCG_CACHE_DIR job-args...: one job in a process of its own; its table, start-up and decoder figures
+  local name=$1 cache=$2 code start=$SECONDS; shift 2
+  rm -rf /tmp/bench-$name
+  BCG_CACHE_DIR=$cache timeout -s KILL ${JOB_LIMIT:-300} python3 -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
+  cp /tmp/bench-$name/stats.json "$BENCH_OUT/${name}_stats.json" 2>/dev/null; cp /tmp/bench-$name/bench.json "$BENCH_OUT/${name}_bench.json" 2>/dev/null
+  bench_summary "$name: the process took $((SECONDS - start)) s" $code "$BENCH_OUT/$name.log"
+  python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
+}
+
+flux_aspects() {
+  local flux=(+job=bench model=flux_dev manifest.path=jobs/manifests/flux_aspects.parquet)
+  rm -rf /tmp/flux-aspects-cache-*
+  startup_job flux_aspects_baseline /tmp/flux-aspects-cache-base "${flux[@]}" precision=bf16 bench.baseline_only=true
+  startup_job flux_aspects_fill /tmp/flux-aspects-cache-warm +job=bench model=flux_dev precision=fp8 manifest.path=jobs/manifests/flux_1024.parquet bench.baseline=false
+  startup_job flux_aspects_warm /tmp/flux-aspects-cache-warm "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
+  startup_job flux_aspects_cold /tmp/flux-aspects-cache-cold "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
+  python3 -m pipeline.compare /tmp/bench-flux_aspects_warm /tmp/bench-flux_aspects_cold 2>&1 | tail -1 | cut -c1-200
+}
+
+sweep() {
+  local cache=/tmp/sweep-cache start rows=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet)
+  rm -rf $cache /tmp/bench-sweep
+  startup_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
+  startup_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
+  start=$SECONDS
+  BCG_CACHE_DIR=$cache timeout -s KILL ${JOB_LIMIT:-300} python3 -m pipeline.run -m "${rows[@]}" bcg/ladder=pow2_8,pow2_16,one_8 hydra.sweep.dir=/tmp/bench-sweep > "$BENCH_OUT/sweep.log" 2>&1; local code=$?
+  echo "== sweep of 3 jobs: the process took $((SECONDS - start)) s"; rc $code; tail_if_failed $code "$BENCH_OUT/sweep.log"
+  grep -E "^\|" /tmp/bench-sweep/summary.md 2>/dev/null | cut -c1-200
+}
+
 shards() {
   rm -rf /tmp/bench-shards
   timeout -s KILL ${SHARDS_LIMIT:-540} python3 benchmarks/bench_shards.py --model pixart_sigma --manifest ${SHARDS_MANIFEST:-jobs/manifests/bench_mixed.parquet} --launcher local_gpus --work /tmp/bench-shards --out "$BENCH_OUT/shards.json" ${SHARDS_ARGS:-} -- kernels.plan=fast kernels.trim_text_padding=true bcg/ladder=pow2_16 bcg.scope=step "${kernels[@]}" > "$BENCH_OUT/shards.log" 2>&1; shards_rc=$?
@@ -323,6 +359,8 @@ for what in "${@:-cuda-tests}"; do
     recompiles) recompiles ;;
     writer-formats) writer_formats ;;
     cache-200) cache_200 ;;
+    flux-aspects) flux_aspects ;;
+    sweep) sweep ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac
