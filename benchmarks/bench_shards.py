@@ -1,7 +1,7 @@
 """One process against N shard processes: the same images, and images/s each way.
 
     python benchmarks/bench_shards.py --out outputs/benchmarks/shards.json [--rows 200] [--model tiny]
-        [--manifest M] [--launcher popen|local_gpus] [--shards 2] [--devices cuda:0 cuda:0]
+        [--manifest M] [--launcher popen|local_gpus|ray] [--shards 2] [--devices cuda:0 cuda:0]
         [-- OVERRIDE ...]
 
 Runs the dataset job (`+job=dataset`, the given model, any extra Hydra overrides) once as one
@@ -10,6 +10,8 @@ process on the first device, then as `shard.count=N` into a fresh output.dir:
   two processes on one GPU, checks that shards sharing a device still give complete, correct output.
 - `--launcher local_gpus`: the README's multi-GPU command, a Hydra multirun through
   hydra-submitit-launcher's local executor, one process per GPU (`runtime.device=auto`).
+- `--launcher ray`: `cluster=ray`, one Ray task per shard with a GPU of its own on a Ray cluster of
+  this machine (docs/clusters.md); with `--devices cpu ...`, tasks without GPUs (a CPU check).
 Each run compiles (where its kernels do) into its own empty cache, so neither reuses the other's;
 with `--shared-cache` the shards load what the one-process run compiled and tuned.
 Checks: every id exactly once, _SUCCESS and the merged stats.json, and every image against the
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--manifest", type=Path, help="an existing manifest instead of the written one")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--launcher", choices=["popen", "local_gpus"], default="popen")
+    p.add_argument("--launcher", choices=["popen", "local_gpus", "ray"], default="popen")
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--devices", nargs="+", default=["cuda:0", "cuda:0"], help="popen: shard i's runtime.device")
     p.add_argument("--shared-cache", action="store_true", help="the shards reuse the one-process run's compile cache")
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     shard_args = [*common, f"output.dir={sharded}", f"shard.count={args.shards}", cache("single" if args.shared_cache else "sharded")]
     if args.launcher == "popen":
         procs = [start(*shard_args, f"runtime.device={dev}", f"shard.index={i}") for i, dev in enumerate(args.devices)]
+    elif args.launcher == "ray":
+        procs = [start(*shard_args, "cluster=ray", f"cluster.gpus_per_shard={0 if args.devices[0] == 'cpu' else 1}")]
     else:
         procs = [start("-m", *shard_args, "hydra/launcher=local_gpus", f"hydra.launcher.gpus_per_node={args.shards}",
                        f"shard.index=range({args.shards})", f"hydra.sweep.dir={args.work / 'sweep'}")]

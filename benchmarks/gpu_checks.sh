@@ -72,7 +72,8 @@
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
-#                                                # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels)
+#                                                # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels;
+#                                                # SHARDS_ARGS="--launcher ray": cluster=ray, a Ray task per GPU, needs .[ray])
 # The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
 # the job finishes its step first); the *_LIMIT variables below change them.
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
