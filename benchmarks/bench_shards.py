@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--launcher", choices=["popen", "local_gpus", "ray"], default="popen")
     p.add_argument("--shards", type=int, default=2)
-    p.add_argument("--devices", nargs="+", default=["cuda:0", "cuda:0"], help="popen: shard i's runtime.device")
+    p.add_argument("--devices", nargs="+", default=["cuda:0", "cuda:0"], help="the one-process run's is the first; popen: shard i's runtime.device; ray: cpu for tasks without GPUs")
     p.add_argument("--shared-cache", action="store_true", help="the shards reuse the one-process run's compile cache")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-shards"))
     p.add_argument("--out", type=Path, default=Path("shards.json"))

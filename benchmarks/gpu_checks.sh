@@ -60,9 +60,9 @@
 #   bash benchmarks/gpu_checks.sh writer-formats # +job=bench without the baseline on the 200-row manifest, with
 #                                                # output.format=jpeg, then output.layout=webdataset: GPU busy
 #                                                # (gpu_busy.fraction) and image bytes per format, each way
-#   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it twice with
-#                                                # one fresh kernels.compile_cache_dir: cold (empty), then warm (the
-#                                                # first run's cache), as a job's first and later processes
+#   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it twice on
+#                                                # one fresh per-user kernel cache (BCG_CACHE_DIR): cold (empty), then
+#                                                # warm (the first run's cache), as a job's first and later processes
 #   bash benchmarks/gpu_checks.sh flux-aspects   # FLUX.1-dev float8 on the 24 rows of jobs/manifests/flux_aspects.parquet
 #                                                # (four aspect ratios), as +job=bench runs it: diffusers' FluxPipeline
 #                                                # saved once, then our job warm (a per-user cache written by a job on
@@ -279,31 +279,24 @@ writer_formats() {
   done
 }
 
-# ours_200 NAME CACHE OVERRIDES...: our job on the 200 rows against cache-200's saved baseline
-ours_200() {
-  local name=$1 cache=$2; shift 2
-  rm -rf /tmp/bench-200-$name
-  timeout -s KILL ${BENCH_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline_from=/tmp/baseline-200 manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/bench-200-$name kernels.compile_cache_dir=$cache "$@" > "$BENCH_OUT/bench_200_$name.log" 2>&1; local code=$?
-  cp /tmp/bench-200-$name/bench.json "$BENCH_OUT/bench_200_$name.json" 2>/dev/null; cp /tmp/bench-200-$name/stats.json "$BENCH_OUT/bench_200_${name}_stats.json" 2>/dev/null
-  bench_summary "ours, 200 rows, $name $*" $code "$BENCH_OUT/bench_200_$name.log"
-  python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s)" /tmp/bench-200-$name/stats.json 2>/dev/null
-}
-
 cache_200() {
   rm -rf /tmp/baseline-200
   timeout -s KILL ${BENCH_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline_only=true manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/baseline-200 > "$BENCH_OUT/baseline_200.log" 2>&1; local code=$?
   echo "== baseline, 200 rows"; rc $code; grep -E "diffusers baseline" "$BENCH_OUT/baseline_200.log" | cut -c1-300; tail_if_failed $code "$BENCH_OUT/baseline_200.log"
-  local cache; cache=$(mktemp -d /tmp/inductor-200.XXXX)
-  ours_200 cold $cache "${kernels[@]}"
-  ours_200 warm $cache "${kernels[@]}"
+  local cache ours=(+job=bench bench.baseline_from=/tmp/baseline-200 manifest.path=jobs/manifests/bench_small.parquet)
+  cache=$(mktemp -d /tmp/kernels-200.XXXX)
+  one_job bench_200_cold $cache "${ours[@]}" "${kernels[@]}"
+  one_job bench_200_warm $cache "${ours[@]}" "${kernels[@]}"
 }
 
 
 
-startup_job() {  # NAME BCG_CACHE_DIR job-args...: one job in a process of its own; its table, start-up and decoder figures
+# one_job NAME BCG_CACHE_DIR JOB-ARGS...: one job in a process of its own, on that per-user kernel cache, into
+# /tmp/bench-NAME; its table, start-up stages and decoder figures, its log and JSON under $BENCH_OUT
+one_job() {
   local name=$1 cache=$2 code start=$SECONDS; shift 2
   rm -rf /tmp/bench-$name
-  BCG_CACHE_DIR=$cache timeout -s KILL ${JOB_LIMIT:-300} python3 -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
+  BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
   cp /tmp/bench-$name/stats.json "$BENCH_OUT/${name}_stats.json" 2>/dev/null; cp /tmp/bench-$name/bench.json "$BENCH_OUT/${name}_bench.json" 2>/dev/null
   bench_summary "$name: the process took $((SECONDS - start)) s" $code "$BENCH_OUT/$name.log"
   python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
@@ -312,20 +305,20 @@ startup_job() {  # NAME BCG_CACHE_DIR job-args...: one job in a process of its o
 flux_aspects() {
   local flux=(+job=bench model=flux_dev manifest.path=jobs/manifests/flux_aspects.parquet)
   rm -rf /tmp/flux-aspects-cache-*
-  startup_job flux_aspects_baseline /tmp/flux-aspects-cache-base "${flux[@]}" precision=bf16 bench.baseline_only=true
-  startup_job flux_aspects_fill /tmp/flux-aspects-cache-warm +job=bench model=flux_dev precision=fp8 manifest.path=jobs/manifests/flux_1024.parquet bench.baseline=false
-  startup_job flux_aspects_warm /tmp/flux-aspects-cache-warm "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
-  startup_job flux_aspects_cold /tmp/flux-aspects-cache-cold "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
+  one_job flux_aspects_baseline /tmp/flux-aspects-cache-base "${flux[@]}" precision=bf16 bench.baseline_only=true
+  one_job flux_aspects_fill /tmp/flux-aspects-cache-warm +job=bench model=flux_dev precision=fp8 manifest.path=jobs/manifests/flux_1024.parquet bench.baseline=false
+  one_job flux_aspects_warm /tmp/flux-aspects-cache-warm "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
+  one_job flux_aspects_cold /tmp/flux-aspects-cache-cold "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
   python3 -m pipeline.compare /tmp/bench-flux_aspects_warm /tmp/bench-flux_aspects_cold 2>&1 | tail -1 | cut -c1-200
 }
 
 sweep() {
   local cache=/tmp/sweep-cache start rows=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet)
   rm -rf $cache /tmp/bench-sweep
-  startup_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
-  startup_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
+  one_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
+  one_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
   start=$SECONDS
-  BCG_CACHE_DIR=$cache timeout -s KILL ${JOB_LIMIT:-300} python3 -m pipeline.run -m "${rows[@]}" bcg/ladder=pow2_8,pow2_16,one_8 hydra.sweep.dir=/tmp/bench-sweep > "$BENCH_OUT/sweep.log" 2>&1; local code=$?
+  BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run -m "${rows[@]}" bcg/ladder=pow2_8,pow2_16,one_8 hydra.sweep.dir=/tmp/bench-sweep > "$BENCH_OUT/sweep.log" 2>&1; local code=$?
   echo "== sweep of 3 jobs: the process took $((SECONDS - start)) s"; rc $code; tail_if_failed $code "$BENCH_OUT/sweep.log"
   grep -E "^\|" /tmp/bench-sweep/summary.md 2>/dev/null | cut -c1-200
 }
