@@ -34,6 +34,9 @@ from pipeline.store_lock import LEASE_S, SETTLE_S
 log = logging.getLogger(__name__)
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's servers bind to 127.0.0.1, not every interface
+# "0": the driver prints every task's lines; Ray's default folds lines that differ only in their digits
+# (each shard's, which its name tells apart) into the first one's "[repeated Nx across cluster]"
+DEDUP_ENV = "RAY_DEDUP_LOGS"
 CANCEL_WAIT_S = 120  # for cancelled tasks to upload what they committed, before a cluster of ours stops
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as the driver logs
 
@@ -48,7 +51,7 @@ def require_ray():
 
 def run_on_ray(job: JobConfig, resolved: dict[str, Any]) -> None:
     started = time.perf_counter()
-    with loopback_only(job.cluster.address is None):
+    with ray_settings(job.cluster.address is None):
         ray = require_ray()
         own_cluster = connect(ray, job.cluster)
     count = job.shard.count
@@ -74,17 +77,18 @@ def run_on_ray(job: JobConfig, resolved: dict[str, Any]) -> None:
 
 
 @contextmanager
-def loopback_only(local: bool):
-    """A Ray cluster of this machine alone listens on 127.0.0.1 only: Ray reads this variable when
-    it is imported (its single-node mode; the processes it starts inherit it). Put back after."""
-    if not local or LOOPBACK_ENV in os.environ:
-        yield
-        return
-    os.environ[LOOPBACK_ENV] = "0"
+def ray_settings(local: bool):
+    """What Ray reads from the environment when it is imported (the processes it starts inherit
+    it), each unless the user set it: a Ray cluster of this machine alone (`local`) listens on
+    127.0.0.1 only; the driver prints every task's log lines (DEDUP_ENV). Put back after."""
+    wanted = {DEDUP_ENV: "0", **({LOOPBACK_ENV: "0"} if local else {})}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
     try:
         yield
     finally:
-        del os.environ[LOOPBACK_ENV]
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def connect(ray, cluster: ClusterConfig) -> bool:
