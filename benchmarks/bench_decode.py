@@ -12,7 +12,9 @@ default layout), `channels_last` (the VAE's weights in channels_last: cuDNN's NH
 `compile` (the decoder compiled per shape by inductor, NCHW), `channels_last+compile`, `chunked` (what
 `kernels.compile_decoder` runs: the decoder compiled once with symbolic height and width, latents
 decoded `--chunk` at a time by `pipeline.kernels.decode_in_chunks`; its first call at the first side
-includes the one compilation).
+includes the one compilation), `fused` (pipeline.blocks.vae.FusedDecoder: each group norm and its SiLU
+one Triton call, nothing compiled). `--model flux_dev` takes that model's VAE; `--profile` prints each
+variant's top GPU kernels at the last side.
 CPU check (the tiny model's VAE): `python benchmarks/bench_decode.py --smoke --out /tmp/d.json`.
 """
 
@@ -38,11 +40,12 @@ from benchmarks.bench_engine import (
     load_model_conf,
     save_and_report,
 )
+from pipeline.blocks.vae import FusedDecoder
 from pipeline.generate import to_uint8
 from pipeline.kernels import compile_stats, compile_vae_decoder, decode_in_chunks
 from pipeline.timing import environment, time_calls
 
-VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked")
+VARIANTS = ("nchw", "channels_last", "compile", "channels_last+compile", "chunked", "fused")
 
 
 def build_vae(model: str, device: torch.device) -> AutoencoderKL:
@@ -52,9 +55,11 @@ def build_vae(model: str, device: torch.device) -> AutoencoderKL:
     return vae.to(DTYPE).eval()
 
 
-def set_variant(vae: AutoencoderKL, name: str) -> None:
+def set_variant(vae: AutoencoderKL, decoder: torch.nn.Module, name: str) -> None:
+    """`decoder`: the VAE's own, which every variant starts from."""
     if name not in VARIANTS:
         raise SystemExit(f"variant {name!r} is not known; choose from {list(VARIANTS)}")
+    vae.decoder = FusedDecoder(decoder) if name == "fused" else decoder
     vae.to(memory_format=torch.channels_last if "channels_last" in name else torch.contiguous_format)
     vae.decoder.forward = vae.decoder.__class__.forward.__get__(vae.decoder)  # undo an earlier compile
     if "compile" in name:
@@ -75,13 +80,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=["nchw", "channels_last"])
     p.add_argument("--chunk", type=int, default=4, help="latents per decoder call of the chunked variant")
+    p.add_argument("--model", default="pixart_sigma", help="the conf/model file whose VAE is built")
+    p.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels at the last side")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     args = p.parse_args(argv)
     device = bench_device()
     smoke = args.smoke or device.type != "cuda"
     sides, batch, iters = ([64, 96], 2, 2) if smoke else (args.sides, args.batch, args.iters)
-    vae = build_vae("tiny" if smoke else "pixart_sigma", device)
+    vae = build_vae("tiny" if smoke else args.model, device)
+    decoder = vae.decoder
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
     results = {"environment": environment(device, args), "batch": batch, "sides": {side: {} for side in sides},
                "compiles": {}}
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  generator=gen, device=device, dtype=DTYPE) for side in sides}
     reference: dict[int, torch.Tensor] = {}
     for name in args.variants:
-        set_variant(vae, name)  # once per variant: a compiled one compiles at its first side only if it must
+        set_variant(vae, decoder, name)  # once per variant: a compiled one compiles at its first side only if it must
         before = compile_stats()
         for side in sides:
             x = latents[side]
@@ -104,8 +112,20 @@ def main(argv: list[str] | None = None) -> dict:
             results["sides"][side][name] = {"ms_per_image": round(ms / batch, 3), "first_call_s": round(first_s, 2),
                                             "max_levels": int(diff.max()), "mean_levels": round(float(diff.float().mean()), 4)}
             print(side, name, results["sides"][side][name], flush=True)
+        if args.profile and device.type == "cuda":
+            print(top_kernels(call), flush=True)
         results["compiles"][name] = compile_stats(since=before)
     return save_and_report(results, format_report(results), args.out)
+
+
+def top_kernels(call, rows: int = 12) -> str:
+    """The GPU kernels of one `call`, the costliest first (torch.profiler's table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
 
 
 def format_report(r: dict) -> str:

@@ -170,7 +170,7 @@ def diffusers_baseline(adapter: Adapter, items, steps: int, guidance: float, bat
         for first in range(0, len(group), batch):
             rows = group[first:first + batch]
             images = pipe(
-                **baseline_inputs(pipe, adapter.family, rows, embeddings, "true_cfg_scale" in extra, h, w),
+                **baseline_inputs(adapter, rows, embeddings, "true_cfg_scale" in extra, h, w),
                 num_inference_steps=steps, guidance_scale=guidance,
                 generator=[torch.Generator("cpu").manual_seed(it.seed) for it in rows],
                 output_type="pil", **extra,
@@ -200,11 +200,13 @@ def prompt_embeddings(adapter: Adapter, items, negatives: bool) -> dict[str, dic
     return out
 
 
-def baseline_inputs(pipe, family: str, rows, embeddings: dict | None, negatives: bool, height: int, width: int) -> dict:
-    """One baseline call's inputs: DiTPipeline's class labels (it generates at its native size only),
-    else the prompts (`baseline_prompts`) and the size."""
-    if family == "dit":
-        return {"class_labels": pipe.get_label_ids([it.prompt for it in rows])}
+def baseline_inputs(adapter, rows, embeddings: dict | None, negatives: bool, height: int, width: int) -> dict:
+    """One baseline call's inputs: DiTPipeline's class ids (it generates at its native size only), mapped
+    by the adapter's own table (DiTPipeline's `get_label_ids`' mapping where the model has an id2label
+    table; random weights have none, and their names are the ids), else the prompts (`baseline_prompts`)
+    and the size."""
+    if adapter.family == "dit":
+        return {"class_labels": [adapter.labels[it.prompt] for it in rows]}
     return {**baseline_prompts(rows, embeddings, negatives), "height": height, "width": width}
 
 

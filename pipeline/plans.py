@@ -71,9 +71,12 @@ class KernelSettings:
     # PixArt: prompts padded to the manifest's longest (rounded up to 64 tokens), not max_sequence_length;
     # an image then depends on the manifest's longest prompt.
     trim_text_padding: bool = False
-    # torch.compile the VAE decoder too, latents decoded `decode_chunk` at a time (the last chunk padded).
+    # The VAE decoder's group norms and their SiLUs in Triton kernels of fixed block sizes (CUDA; the CPU
+    # runs PyTorch's ops): a faster decode, nothing compiled. Latents decoded `decode_chunk` at a time.
+    fuse_decoder: bool = False
+    # torch.compile the VAE decoder instead (the same chunks): a long compile in a new cache.
     compile_decoder: bool = False
-    decode_chunk: int = 4
+    decode_chunk: int = 4  # latents per decoder call with either (the last chunk padded)
     # Where inductor keeps what it compiled (null: the user's cache, pipeline.kernels.compile.user_cache).
     # Not a plan's to set.
     compile_cache_dir: Optional[str] = None
@@ -96,16 +99,17 @@ class Plan:
         return replace(KernelSettings(), **{**self.settings, **overrides})
 
 
+# the decoder's group norms fused, one latent per call (its fastest: docs/BENCHMARKS.md)
+_DECODER = {"fuse_decoder": True, "decode_chunk": 1}
 _COMPILED = {"attention": "cudnn", "compile": True, "compile_scope": "blocks"}
 _FLUX = {"compile": True, "compile_scope": "blocks", "fuse_gelu": True, "split_out_proj": True,
-         "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, "compile_decoder": True,
-         "decode_chunk": 1}
+         "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, **_DECODER}
 _FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
 # SD3's as Flux's where they apply (no single-stream blocks to split, a modulation a fraction of a step)
 _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_gelu": True, "persistent_reductions": True,
-        "fuse_qk_norm": True, "compile_decoder": True, "decode_chunk": 1}
+        "fuse_qk_norm": True, **_DECODER}
 _SD3_FP8 = {**_SD3, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
-_FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "compile_decoder": True}
+_FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, **_DECODER}
 # the float8 blocks' row functions (residual adds, norms, quantizations) compiled, each one kernel
 _FAST_FP8 = {**_FAST, "fp8": True, "compile": True, "compile_scope": "norms", "persistent_reductions": True}
 _EPILOGUE = "the GELU runs in cuBLASLt's epilogue, which only CUDA has"
@@ -116,21 +120,21 @@ PLANS: dict[str, Plan] = {
     "compiled": Plan("cuDNN attention and the transformer's repeated blocks compiled once for every shape", FAMILIES,
                      _COMPILED),
     "fast": Plan("PixArt's own blocks with the residual adds in the matmuls, the GELU in the up-projection's "
-                 "epilogue, a fixed Triton layer norm and cuDNN attention; nothing compiled but the decoder",
+                 "epilogue, a fixed Triton layer norm and cuDNN attention, the decoder's group norms fused; nothing compiled",
                  ("pixart",), _FAST, cuda_only=_EPILOGUE),
     "fast-fp8": Plan("PixArt's own blocks with float8 linear layers, each residual add and layer norm in the kernel "
                      "that quantizes the next layers' rows (compiled once for every row count), the GELU in the "
-                     "down-projection's quantization, cuDNN attention; the decoder compiled", ("pixart",), _FAST_FP8,
+                     "down-projection's quantization, cuDNN attention; the decoder's group norms fused", ("pixart",), _FAST_FP8,
                      cuda_only=_FP8_CORES, float8=True),
     "sd3": Plan("SD3's own joint blocks compiled once for every shape: the GELU in the up-projection's epilogue, SD3.5's "
-                "queries' and keys' norms in one kernel, cuDNN attention; the decoder compiled", ("sd3",), _SD3,
+                "queries' and keys' norms in one kernel, cuDNN attention; the decoder's group norms fused", ("sd3",), _SD3,
                 cuda_only=_EPILOGUE),
     "sd3-fp8": Plan("the sd3 plan with float8 linear layers, norms writing float8 rows, fused q|k|v projections and, "
                     "where the queries and keys are RMS-normalized (SD3.5), float8 attention", ("sd3",), _SD3_FP8,
                     cuda_only=_FP8_CORES, float8=True),
     "flux": Plan("Flux's own blocks compiled once for every shape: the GELU in the up-projection's epilogue, the "
                  "single blocks' out-projection split, the modulation once per batch, the queries' and keys' norms "
-                 "and rotation in one kernel; the decoder compiled", ("flux",), _FLUX, cuda_only=_EPILOGUE),
+                 "and rotation in one kernel; the decoder's group norms fused", ("flux",), _FLUX, cuda_only=_EPILOGUE),
     "flux-fp8": Plan("the flux plan with float8 linear layers, float8 attention and norms writing float8 rows, "
                      "fused q|k|v projections", ("flux",), _FLUX_FP8, cuda_only=_FP8_CORES, float8=True),
 }
@@ -171,6 +175,22 @@ class ResolvedPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.name, "chosen": self.chosen, "overrides": dict(self.overrides)}
+
+
+# Settings that choose between two ways of doing one thing: the one a command turns on turns the plan's
+# other off (both turned on by the command are refused: pipeline.kernels.decoder.check).
+ALTERNATIVES = (("fuse_decoder", "compile_decoder"),)
+
+
+def alternatives_off(given: Mapping[str, Any]) -> dict[str, bool]:
+    """{setting: False} for the alternative of each setting in `given` set to true."""
+    off = {}
+    for a, b in ALTERNATIVES:
+        if given.get(a) is True:
+            off[b] = False
+        if given.get(b) is True:
+            off[a] = False
+    return off
 
 
 def default_plan(family: str, device_type: str, float8: bool) -> str:
@@ -217,6 +237,6 @@ def resolve_plan(plan: str, overrides: Mapping[str, Any], family: str, device_ty
     if spec.float8 and not float8:
         raise UserError(f"kernels.plan={name} is a float8 plan: choose it with precision=fp8 (its images differ from "
                          "bf16's), or choose kernels.plan=auto")
-    settings = spec.resolved(**given)
+    settings = spec.resolved(**{**alternatives_off(given), **given})
     differs = {k: v for k, v in given.items() if getattr(spec.resolved(), k) != v}
     return ResolvedPlan(name, settings, differs, chosen)

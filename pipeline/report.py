@@ -101,7 +101,7 @@ class StartupTimes:
     imports: float | None  # process start to the job's start: Python, imports, Hydra, the config
     prepare: float  # checks, device, manifest, ladder and plan, the output lock
     build: float  # the model built or read, its weights on the device (0 when the caller built it)
-    kernels: float  # kernel setup (apply_kernels: the attention probe, the decoder's compile with compile_decoder)
+    kernels: float  # kernel setup (apply_kernels: the attention probe, the decoder's first pass with fuse_decoder or compile_decoder)
     calibrate: float  # bcg.ladder=auto's calibration; 0 with a decided ladder
     prompts: float  # the batches left to run (committed ones skipped), the prompt cache
     warmup: float  # the engine's warm-up passes, where the compiled transformer code compiles (and tunes)

@@ -30,14 +30,17 @@ def test_unknown_variant_is_named(tmp_path):
 @pytest.mark.slow
 def test_chunked_variant_decodes_what_the_job_decodes(tmp_path):
     """The variant of kernels.compile_decoder: compiled once for every side, one latent per call
-    here, the same images up to bf16 rounding."""
+    here, the same images up to bf16 rounding; kernels.fuse_decoder's, on the CPU PyTorch's ops: the
+    same bytes."""
     out = tmp_path / "d.json"
-    proc = run_benchmark("bench_decode.py", "--smoke", "--variants", "nchw", "chunked", "--chunk", "1", "--out", str(out))
+    proc = run_benchmark("bench_decode.py", "--smoke", "--variants", "nchw", "chunked", "fused", "--chunk", "1",
+                         "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     for side in ("64", "96"):
         row = result["sides"][side]
         assert row["chunked"]["ms_per_image"] > 0 and row["chunked"]["max_levels"] <= 8, side
+        assert row["fused"]["ms_per_image"] > 0 and row["fused"]["max_levels"] == 0, side
     assert result["compiles"]["chunked"]["compiled_graphs"] == 1
 
 

@@ -387,6 +387,24 @@ def test_compiled_decoder_serves_every_resolution_with_one_graph_and_is_a_settin
         run(cpu_job(manifest, tmp_path / "compiled"))
 
 
+def test_fused_decoder_is_the_plans_decoder_and_on_the_cpu_decodes_eagers_bytes(tmp_path):
+    """kernels.fuse_decoder (every CUDA plan's decoder): on the CPU its forward runs PyTorch's ops, so
+    one latent per call gives the eager job's bytes at square and non-square sizes; stats.json says
+    what ran; a change is a setting a resumed job is checked against."""
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2), ("d", 128, 64, 4),
+                                                          ("e", 96, 64, 5)))
+    eager = run(cpu_job(manifest, tmp_path / "eager"))
+    report = run(cpu_job(manifest, tmp_path / "fused", "kernels.fuse_decoder=true", "kernels.decode_chunk=1"))
+    assert eager["images"]["ok"] == report["images"]["ok"] == 4
+    k = report["kernels"]
+    assert k["fuse_decoder"] and k["decode_chunk"] == 1 and k["decoder_first_pass_s"] > 0 and "compile_decoder" not in k
+    for row in "abde":
+        ours, theirs = (png(tmp_path / out / "images" / f"{row}.png") for out in ("fused", "eager"))
+        assert np.array_equal(ours, theirs), row
+    with pytest.raises(ResumeConflict, match="kernels other than the default"):
+        run(cpu_job(manifest, tmp_path / "fused"))
+
+
 @pytest.mark.slow
 def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
     """The compiled decoder's first call traces it once (a second trace would be paid by every

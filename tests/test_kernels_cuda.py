@@ -13,7 +13,7 @@ import torch
 from bcg.buckets import pick_bucket
 from bcg.buffers import pad_rows
 from bcg.engine import BCGEngine
-from conftest import cpu_job, model_config, png
+from conftest import CONF, cpu_job, model_config, png
 from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.blocks import pixart
@@ -151,6 +151,46 @@ def test_fixed_norm_kernel_rounds_as_the_eager_norm_and_a_row_does_not_depend_on
     assert torch.equal(out, norm.modulated_norm(rows, pending, modulation, 1e-6))
     for start, stop in ((0, 1), (0, 37), (5, 905), (1000, 1003)):
         assert torch.equal(norm.modulated_norm(rows[start:stop], pending, modulation, 1e-6), out[start:stop]), (start, stop)
+
+
+def test_fused_group_norm_rounds_as_the_eager_norm_and_the_fused_decoder_as_diffusers_one():
+    """kernels.fuse_decoder's group norm (pipeline/kernels/group_norm.py), with and without its SiLU and
+    affine, groups of one chunk and of many: within one bf16 rounding of PyTorch's fp32 ops; an image's
+    bytes the same whichever images are normalized with it, and on a second call. The fused decoder of
+    the real VAEs' architecture (conf/model/flux_dev.yaml), bf16 at 256 x 192 px: within a few levels of
+    diffusers' decoder, the same bytes on a second call (the job decodes a fixed chunk: the convolutions'
+    batch is the same for every image)."""
+    import yaml
+    from diffusers import AutoencoderKL
+
+    from pipeline.blocks.vae import FusedDecoder
+    from pipeline.generate import to_uint8
+    from pipeline.kernels import group_norm
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    for shape, groups, affine, silu in (((3, 512, 64, 48), 32, True, True), ((2, 128, 256, 320), 32, True, False),
+                                        ((2, 64, 9, 7), 8, False, True)):
+        x = (torch.randn(shape, generator=gen, device="cuda") * 2 + 0.5).to(torch.bfloat16)
+        w = torch.randn(shape[1], generator=gen, device="cuda").to(torch.bfloat16) if affine else None
+        b = torch.randn(shape[1], generator=gen, device="cuda").to(torch.bfloat16) if affine else None
+        out = group_norm.group_norm(x, groups, w, b, 1e-6, silu)
+        exact = group_norm.reference(x.float(), groups, None if w is None else w.float(), None if b is None else b.float(),
+                                     1e-6, silu)
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape, shape
+        assert torch.allclose(out.float(), exact, rtol=2 ** -7, atol=2 ** -7), (shape, (out.float() - exact).abs().max())
+        assert torch.equal(out, group_norm.group_norm(x, groups, w, b, 1e-6, silu)), shape
+        assert torch.equal(group_norm.group_norm(x[1:2], groups, w, b, 1e-6, silu), out[1:2]), shape
+    conf = yaml.safe_load((CONF / "model" / "flux_dev.yaml").read_text())["arch"]["vae"]
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**conf).to("cuda", torch.bfloat16).eval()
+    latents = torch.randn(3, vae.config.latent_channels, 32, 24, generator=gen, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        theirs = to_uint8(vae.decoder(latents)).int()
+        fused = FusedDecoder(vae.decoder)
+        ours = to_uint8(fused(latents)).int()
+        again = to_uint8(fused(latents)).int()
+    assert int((ours - theirs).abs().max()) <= COMPILED_VS_EAGER_MAX_LEVELS
+    assert torch.equal(again, ours)
 
 
 def test_attention_backend_is_applied_and_reported(tmp_path, demo):

@@ -126,9 +126,15 @@ def test_expert_settings_override_the_plan_and_wrong_plans_are_refused_by_name()
     """A kernels.* value given overrides the plan's and is recorded as an override (the plan's own value
     given again is none); a plan for another family, another device or another precision is refused
     naming the plan and what to choose; the product's bench command resolves for Flux as it is."""
-    plan = resolve_plan("auto", {"compile_decoder": False, "fuse_gelu": True, "attention": None}, "flux", "cuda", False)
-    assert plan.name == "flux" and not plan.settings.compile_decoder and plan.overrides == {"compile_decoder": False}
-    assert "overridden by the command: kernels.compile_decoder=False" in plan.describe()
+    plan = resolve_plan("auto", {"fuse_decoder": False, "fuse_gelu": True, "attention": None}, "flux", "cuda", False)
+    assert plan.name == "flux" and not plan.settings.fuse_decoder and plan.overrides == {"fuse_decoder": False}
+    assert "overridden by the command: kernels.fuse_decoder=False" in plan.describe()
+    # the decoder's other way, given, turns the plan's fused decoder off; both given are refused
+    plan = resolve_plan("flux", {"compile_decoder": True}, "flux", "cuda", False)
+    assert plan.settings.compile_decoder and not plan.settings.fuse_decoder and plan.overrides == {"compile_decoder": True}
+    both = resolve_plan("flux", {"compile_decoder": True, "fuse_decoder": True}, "flux", "cuda", False)
+    with pytest.raises(UserError, match="kernels.compile_decoder=true and kernels.fuse_decoder=true both set"):
+        check_kernels(both.settings, "flux", None)
     with pytest.raises(UserError, match=r"kernels.plan=fast serves model families \['pixart'\], not 'flux'; choose auto "
                                         r"or one of \['eager', 'compiled', 'flux', 'flux-fp8'\]"):
         resolve_plan("fast", {}, "flux", "cuda", False)

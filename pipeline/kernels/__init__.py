@@ -11,7 +11,8 @@ for what diffusers' modules do not compute, the transformer is replaced by the p
   float8 blocks' residual adds, norms and quantizations
 - qkv: diffusers' fused projections (PixArt); text: kernels.trim_text_padding
 - compile: inductor (mode, tuning, the cache, the shapes it first compiles, workers, counts);
-  reductions: its persistent reductions; decoder: the compiled VAE decoder
+  reductions: its persistent reductions; decoder: the VAE decoder's kernels (group_norm: its fused group
+  norms, or inductor's compile)
 
 Which settings go together is stated once, as data (SUPPORTED_FAMILIES, FAMILY_REQUIRES, EXCLUDES, REQUIRES,
 NEEDS_CUDA):
@@ -29,7 +30,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.kernels import attention, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm, qkv, text
-from pipeline.kernels import residual_rows
+from pipeline.kernels import group_norm, residual_rows
 from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
@@ -222,6 +223,8 @@ def output_kernels(kernels: KernelSettings) -> dict:
             out["compile_scope"] = kernels.compile_scope
         if kernels.compile_dynamic:  # the shapes its kernels are generated for
             out["compiled_for"] = compile.CANONICAL
+    if kernels.fuse_decoder:  # its kernels' block sizes set a group's reduction; the chunk is the decoder's batch
+        out.update(fuse_decoder=True, decode_chunk=kernels.decode_chunk, decoder_norm=group_norm.SETTING)
     if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
         out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, decoder_compile=list(decoder.DECODER_COMPILE))
     if kernels.compile:  # counted at its default too: a digest without it was made by timed kernels

@@ -235,10 +235,11 @@ def start_compile_workers(kernels: KernelSettings, device: torch.device) -> bool
 
 
 def builds_kernels(kernels: KernelSettings, device: torch.device | str | None) -> bool:
-    """Whether this job builds kernels a later process can load: an inductor compile, or
-    kernels.fuse_residual's Triton layer norm on a CUDA device."""
-    triton_norm = kernels.fuse_residual and device is not None and torch.device(device).type == "cuda"
-    return kernels.compile or kernels.compile_decoder or triton_norm
+    """Whether this job builds kernels a later process can load: an inductor compile, or Triton kernels
+    of our own on a CUDA device (kernels.fuse_residual's layer norm, kernels.fuse_decoder's group norms)."""
+    triton_norms = (kernels.fuse_residual or kernels.fuse_decoder) and device is not None \
+        and torch.device(device).type == "cuda"
+    return kernels.compile or kernels.compile_decoder or triton_norms
 
 
 def cache_directory(kernels: KernelSettings, out_dir: Path, device: torch.device | str | None) -> Path | None:

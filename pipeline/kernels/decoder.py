@@ -1,6 +1,9 @@
-"""kernels.compile_decoder: the VAE decoder compiled with inductor, one compilation for every
-resolution, and latents decoded `kernels.decode_chunk` at a time (the last chunk padded) so that the
-decoder always sees the same batch. Images differ from eager by rounding.
+"""The VAE decoder's kernels: `kernels.fuse_decoder`, the decoder's group norms and their SiLUs in
+Triton kernels of fixed block sizes (pipeline.blocks.vae.FusedDecoder: nothing compiled by inductor,
+the plans' choice), or `kernels.compile_decoder`, the decoder compiled with inductor, one compilation
+for every resolution. With either, latents are decoded `kernels.decode_chunk` at a time (the last chunk
+padded) so that the decoder always sees the same batch, and an image's bytes do not depend on the
+batch it was denoised in. Images differ from eager by rounding.
 
 The decoder compiles with inductor's default mode and fixed tuning whatever kernels.compile_mode and
 kernels.compile_tuning say of the transformer: timing its kernels did not make the decode faster
@@ -18,7 +21,9 @@ import torch
 
 from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
+from pipeline.kernels import group_norm
 from pipeline.kernels.compile import TRACED_ONCE, compile_options
+from pipeline.kernels.norm import check_triton
 
 if TYPE_CHECKING:
     from pipeline.models.base import Adapter
@@ -31,15 +36,27 @@ DECODER_COMPILE = ("default", "fixed")  # (mode, tuning) of the decoder's compil
 
 
 def check(kernels: KernelSettings, device: torch.device | None) -> None:
-    if kernels.compile_decoder and kernels.decode_chunk < 1:
+    if kernels.compile_decoder and kernels.fuse_decoder:
+        raise UserError("kernels.compile_decoder=true and kernels.fuse_decoder=true both set the VAE decoder's kernels: "
+                        "choose one (fuse_decoder: its group norms in Triton kernels, nothing compiled; compile_decoder: "
+                        "inductor compiles it)")
+    if on(kernels) and kernels.decode_chunk < 1:
         raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
+    if kernels.fuse_decoder and device is not None and device.type == "cuda":
+        check_triton("kernels.fuse_decoder=true on a CUDA device runs the decoder's group norms",
+                     "kernels.fuse_decoder=false")
+
+
+def on(kernels: KernelSettings) -> bool:
+    """Whether the job sets the decoder's kernels (and decodes `decode_chunk` latents per call)."""
+    return kernels.compile_decoder or kernels.fuse_decoder
 
 
 def padding_note(kernels: KernelSettings, largest_batch: int) -> str | None:
     """What to say at start when every decoder call would decode padding: a chunk larger than the
     largest batch the job decodes (the ladder's top). None when it would not."""
     chunk = kernels.decode_chunk
-    if not kernels.compile_decoder or chunk <= largest_batch:
+    if not on(kernels) or chunk <= largest_batch:
         return None
     return (f"kernels.decode_chunk={chunk} is larger than the largest batch this job decodes ({largest_batch}, the "
             f"ladder's top): each decoder call decodes {chunk - largest_batch} or more padded latents besides the "
@@ -48,23 +65,43 @@ def padding_note(kernels: KernelSettings, largest_batch: int) -> str | None:
 
 
 def apply(kernels: KernelSettings, adapter: Adapter, first_call: bool = True) -> dict:
-    """-> {"compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}. `first_call`:
-    compile now (a chunk decoded at the model's native size), not at the first batch."""
-    if not kernels.compile_decoder:
+    """-> {"fuse_decoder" or "compile_decoder", "decode_chunk", "decoder_first_pass_s"} when on, else {}.
+    `first_call`: run the decoder now (a chunk decoded at the model's native size), not at the first batch."""
+    if not on(kernels):
         return {}
-    seconds = compile_decoder(adapter, kernels.decode_chunk, adapter.native_side if first_call else None)
+    side = adapter.native_side if first_call else None
+    if kernels.fuse_decoder:
+        seconds = fuse_decoder(adapter, kernels.decode_chunk, side)
+        log.info("kernels: VAE decoder's group norms fused with their SiLUs (Triton, %s), %d latents per call; "
+                 "first pass %.1f s", group_norm.SETTING, kernels.decode_chunk, seconds)
+        return {"fuse_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
+    seconds = compile_decoder(adapter, kernels.decode_chunk, side)
     log.info("kernels: VAE decoder compiled with inductor (mode=%s, tuning %s), %d latents per call; first pass %.1f s",
              *DECODER_COMPILE, kernels.decode_chunk, seconds)
     return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
 
 
+def fuse_decoder(adapter: Adapter, chunk: int, side: int | None) -> float:
+    """This adapter's VAE decoder as `FusedDecoder` (the same modules and weights) and `chunked` ->
+    seconds its first pass took (0 without `side`)."""
+    from pipeline.blocks.vae import FusedDecoder
+
+    adapter.vae.decoder = FusedDecoder(adapter.vae.decoder)
+    return chunked(adapter, chunk, side)
+
+
 def compile_decoder(adapter: Adapter, chunk: int, side: int | None) -> float:
-    """Compile this adapter's VAE decoder (`compile_vae_decoder`) and decode through
-    `decode_in_chunks` from now on (the adapter instance's `decode`); with `side`, decode one chunk of
-    zeros of that side now, so that the compile happens at warm-up, not in the first batch, and its
-    kernels are generated for the same size in every process and job (the model's native size, not
-    the job's first) -> seconds that took."""
+    """Compile this adapter's VAE decoder (`compile_vae_decoder`) and `chunked` -> seconds its first
+    pass (the compile) took (0 without `side`)."""
     compile_vae_decoder(adapter.vae.decoder)
+    return chunked(adapter, chunk, side)
+
+
+def chunked(adapter: Adapter, chunk: int, side: int | None) -> float:
+    """Decode through `decode_in_chunks` from now on (the adapter instance's `decode`); with `side`,
+    decode one chunk of zeros of that side now, so that the decoder's kernels are built at warm-up,
+    not in the first batch, and for the same size in every process and job (the model's native size,
+    not the job's first) -> seconds that took."""
     decode = adapter.decode
     adapter.decode = lambda latents: decode_in_chunks(decode, latents, chunk)
     if side is None:
