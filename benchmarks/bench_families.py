@@ -18,7 +18,7 @@ guidance (the model file's; `--steps` for all). Per family the model is built on
   `batch` rows at 2 steps (its kernels set up), then `--calls` calls, timed from the first prompt to the
   last image;
 - ours: `pipeline.job.run` on the same rows (a manifest of `batch` x `--calls` rows, seeds as diffusers'),
-  on a copy of the model (the same weights; its own VAE where the plan compiles the decoder), with
+  on a copy of the model (the same weights; its own VAE where the plan sets the decoder's kernels), with
   bcg.ladder=[batch], bcg.scope=step (as +job=bench), kernels.plan=auto: the family's default plan for
   the device and each of `--precisions` (pipeline/plans.py; bf16: precision=bf16, float8:
   precision=fp8, whose refusal for a family is reported, not run), or the first of `--plans` that
@@ -67,6 +67,7 @@ from pipeline.bench import EMBEDDED, comparison, compare_images, diffusers_basel
 from pipeline.blocks import owns_blocks
 from pipeline.compare import compare
 from pipeline.job import run
+from pipeline.kernels import decoder
 from pipeline.manifest import Item
 from pipeline.models import build_model
 from pipeline.models.base import free_memory
@@ -165,7 +166,7 @@ def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str,
     ours = copy.copy(base)  # our own blocks replace the copy's transformer; the baseline keeps diffusers'
     if plan.settings.compile and not owns_blocks(plan.settings, base.family):
         ours.transformer = copy.deepcopy(base.transformer)
-    if plan.settings.compile_decoder:
+    if decoder.on(plan.settings):  # the plan's decoder replaces or compiles the VAE's own
         ours.vae = copy.deepcopy(base.vae)
     if hasattr(base, "text_encoders"):  # released by our job (model.offload_text_encoder), kept by the base
         ours.text_encoders = dict(base.text_encoders)

@@ -1,4 +1,4 @@
-"""The VAE decoder with a forward of our own (`kernels.decoder=fused`), built from a diffusers
+"""The VAE decoder with a forward of our own (`kernels.fuse_decoder`), built from a diffusers
 `Decoder`'s modules (the same weights, shared): every group norm, with the SiLU that follows it, is one
 call of `pipeline.kernels.group_norm` (two Triton kernels on CUDA, reading the activations twice and
 writing them once) instead of PyTorch's group norm and a separate SiLU. The convolutions, the upsampling
@@ -40,8 +40,8 @@ class FusedDecoder(nn.Module):
         super().__init__()
         why = unsupported(decoder)
         if why:
-            raise UserError(f"kernels.decoder=fused cannot run this VAE's decoder: {why}; choose kernels.decoder=eager "
-                            "or compiled")
+            raise UserError(f"kernels.fuse_decoder=true cannot run this VAE's decoder: {why}; set "
+                            "kernels.fuse_decoder=false (diffusers' decoder) or kernels.compile_decoder=true")
         self.decoder = decoder
 
     def forward(self, sample: torch.Tensor) -> torch.Tensor:

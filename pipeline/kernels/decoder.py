@@ -82,11 +82,12 @@ def apply(kernels: KernelSettings, adapter: Adapter, first_call: bool = True) ->
 
 
 def fuse_decoder(adapter: Adapter, chunk: int, side: int | None) -> float:
-    """This adapter's VAE decoder as `FusedDecoder` (the same modules and weights) and `chunked` ->
-    seconds its first pass took (0 without `side`)."""
+    """This adapter's VAE decoder as `FusedDecoder` (the same modules and weights; one already fused
+    stays as it is) and `chunked` -> seconds its first pass took (0 without `side`)."""
     from pipeline.blocks.vae import FusedDecoder
 
-    adapter.vae.decoder = FusedDecoder(adapter.vae.decoder)
+    if not isinstance(adapter.vae.decoder, FusedDecoder):
+        adapter.vae.decoder = FusedDecoder(adapter.vae.decoder)
     return chunked(adapter, chunk, side)
 
 
