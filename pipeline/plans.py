@@ -76,7 +76,8 @@ class KernelSettings:
     fuse_decoder: bool = False
     # torch.compile the VAE decoder instead (the same chunks): a long compile in a new cache.
     compile_decoder: bool = False
-    decode_chunk: int = 4  # latents per decoder call with either (the last chunk padded)
+    # Latents per decoder call with either (the last chunk padded): one is the fastest per image measured.
+    decode_chunk: int = 1
     # Where inductor keeps what it compiled (null: the user's cache, pipeline.kernels.compile.user_cache).
     # Not a plan's to set.
     compile_cache_dir: Optional[str] = None
@@ -99,8 +100,8 @@ class Plan:
         return replace(KernelSettings(), **{**self.settings, **overrides})
 
 
-# the decoder's group norms fused, one latent per call (its fastest: docs/BENCHMARKS.md)
-_DECODER = {"fuse_decoder": True, "decode_chunk": 1}
+# the decoder's group norms fused (one latent per call, the default chunk: docs/BENCHMARKS.md)
+_DECODER = {"fuse_decoder": True}
 _COMPILED = {"attention": "cudnn", "compile": True, "compile_scope": "blocks"}
 _FLUX = {"compile": True, "compile_scope": "blocks", "fuse_gelu": True, "split_out_proj": True,
          "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, **_DECODER}

@@ -8,6 +8,9 @@ for what diffusers' modules do not compute (pipeline.plans):
 
 Flux's and SD3's MM-DiT blocks share their parts (pipeline.blocks.joint).
 
+The VAE decoder's own forward (`FusedDecoder`, pipeline.blocks.vae: kernels.fuse_decoder) is set up with
+the decoder's other kernels (pipeline.kernels.decoder), not here.
+
 `own_blocks` replaces the adapter's transformer with ours (the adapter instance only: a copy made
 before, e.g. a benchmark's baseline, keeps diffusers' own). Other families, and these without those
 settings, keep diffusers' transformer as it is: the settings that change a block's computation
