@@ -405,6 +405,22 @@ def test_fused_decoder_is_the_plans_decoder_and_on_the_cpu_decodes_eagers_bytes(
         run(cpu_job(manifest, tmp_path / "fused"))
 
 
+def test_fused_decoder_refuses_a_decoder_it_cannot_compute_by_name():
+    """A decoder whose output norm is a spatial norm (diffusers' MoVQ-style decoder) is not computed
+    as diffusers computes it by FusedDecoder: refused, naming the reason and the settings to use."""
+    from diffusers.models.autoencoders.vae import Decoder
+
+    from pipeline.blocks.vae import FusedDecoder
+
+    spatial = Decoder(in_channels=4, out_channels=3, up_block_types=("UpDecoderBlock2D",), block_out_channels=(32,),
+                      norm_num_groups=8, norm_type="spatial")
+    with pytest.raises(UserError, match=r"kernels.fuse_decoder=true cannot run this VAE's decoder: its output norm is "
+                                        r"not a group norm.*kernels.fuse_decoder=false"):
+        FusedDecoder(spatial)
+    with pytest.raises(UserError, match="it is a Linear, not diffusers' Decoder"):
+        FusedDecoder(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.slow
 def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
     """The compiled decoder's first call traces it once (a second trace would be paid by every
