@@ -66,6 +66,7 @@ FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("co
 SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
 PERSISTENT, FP8_ATTENTION = switch("persistent_reductions"), switch("fp8_attention")
 FUSE_QK_NORM, FP8_NORM = switch("fuse_qk_norm"), switch("fp8_norm")
+FUSE_DECODER, COMPILE_DECODER = switch("fuse_decoder"), switch("compile_decoder")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
 FLUX_BLOCKS = "Flux's own blocks (model families {families}); this model is {family!r}"
@@ -105,6 +106,8 @@ EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
     (FUSE_QKV, FLASH_ATTN, "replaces the attention processor"),
     (FUSE_RESIDUAL, FUSE_QKV, RESIDUAL_OWNS_ATTENTION),
     (FUSE_RESIDUAL, FLASH_ATTN, RESIDUAL_OWNS_ATTENTION),
+    (FUSE_DECODER, COMPILE_DECODER, "runs the VAE decoder on Triton kernels of its own, which inductor would "
+                                    "compile instead"),
 )
 
 # (options that, all on, need another option; why: the settings' values filled in, e.g. "{compile_scope}")
@@ -135,6 +138,7 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
         for option, what in ((FUSE_RESIDUAL, "runs its layer norm"), (FP8_NORM, "runs Flux's modulated norms"),
                              (FUSE_QK_NORM, "normalizes and rotates the queries and keys"),
                              (FP8_ATTENTION, "computes the attention"),
+                             (FUSE_DECODER, "runs the VAE decoder's group norms"),
                              (FUSE_GELU, "runs the GELU and its float8 quantization") if kernels.fp8 else (None, "")):
             if option is not None and option.on(kernels):
                 norm.check_triton(f"kernels.{option.key} {what}", option.off)
@@ -223,10 +227,12 @@ def output_kernels(kernels: KernelSettings) -> dict:
             out["compile_scope"] = kernels.compile_scope
         if kernels.compile_dynamic:  # the shapes its kernels are generated for
             out["compiled_for"] = compile.CANONICAL
-    if kernels.fuse_decoder:  # its kernels' block sizes set a group's reduction; the chunk is the decoder's batch
-        out.update(fuse_decoder=True, decode_chunk=kernels.decode_chunk, decoder_norm=group_norm.SETTING)
-    if kernels.compile_decoder:  # the chunk is the decoder's batch: its kernels, its rounding
-        out.update(compile_decoder=True, decode_chunk=kernels.decode_chunk, decoder_compile=list(decoder.DECODER_COMPILE))
+    if decoder.on(kernels):  # the chunk is the decoder's batch: its kernels, its rounding
+        out["decode_chunk"] = kernels.decode_chunk
+    if kernels.fuse_decoder:  # its kernels' block sizes set a group's reduction
+        out.update(fuse_decoder=True, decoder_norm=group_norm.SETTING)
+    if kernels.compile_decoder:
+        out.update(compile_decoder=True, decoder_compile=list(decoder.DECODER_COMPILE))
     if kernels.compile:  # counted at its default too: a digest without it was made by timed kernels
         out["compile_tuning"] = kernels.compile_tuning
     return out

@@ -23,7 +23,6 @@ from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
 from pipeline.kernels import group_norm
 from pipeline.kernels.compile import TRACED_ONCE, compile_options
-from pipeline.kernels.norm import check_triton
 
 if TYPE_CHECKING:
     from pipeline.models.base import Adapter
@@ -36,15 +35,8 @@ DECODER_COMPILE = ("default", "fixed")  # (mode, tuning) of the decoder's compil
 
 
 def check(kernels: KernelSettings, device: torch.device | None) -> None:
-    if kernels.compile_decoder and kernels.fuse_decoder:
-        raise UserError("kernels.compile_decoder=true and kernels.fuse_decoder=true both set the VAE decoder's kernels: "
-                        "choose one (fuse_decoder: its group norms in Triton kernels, nothing compiled; compile_decoder: "
-                        "inductor compiles it)")
     if on(kernels) and kernels.decode_chunk < 1:
         raise UserError(f"kernels.decode_chunk={kernels.decode_chunk} must be >= 1 (latents per decoder call)")
-    if kernels.fuse_decoder and device is not None and device.type == "cuda":
-        check_triton("kernels.fuse_decoder=true on a CUDA device runs the decoder's group norms",
-                     "kernels.fuse_decoder=false")
 
 
 def on(kernels: KernelSettings) -> bool:
@@ -69,16 +61,15 @@ def apply(kernels: KernelSettings, adapter: Adapter, first_call: bool = True) ->
     `first_call`: run the decoder now (a chunk decoded at the model's native size), not at the first batch."""
     if not on(kernels):
         return {}
-    side = adapter.native_side if first_call else None
     if kernels.fuse_decoder:
-        seconds = fuse_decoder(adapter, kernels.decode_chunk, side)
-        log.info("kernels: VAE decoder's group norms fused with their SiLUs (Triton, %s), %d latents per call; "
-                 "first pass %.1f s", group_norm.SETTING, kernels.decode_chunk, seconds)
-        return {"fuse_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
-    seconds = compile_decoder(adapter, kernels.decode_chunk, side)
-    log.info("kernels: VAE decoder compiled with inductor (mode=%s, tuning %s), %d latents per call; first pass %.1f s",
-             *DECODER_COMPILE, kernels.decode_chunk, seconds)
-    return {"compile_decoder": True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
+        key, setup = "fuse_decoder", fuse_decoder
+        how = f"'s group norms fused with their SiLUs (Triton, {group_norm.SETTING})"
+    else:
+        key, setup = "compile_decoder", compile_decoder
+        how = " compiled with inductor (mode={}, tuning {})".format(*DECODER_COMPILE)
+    seconds = setup(adapter, kernels.decode_chunk, adapter.native_side if first_call else None)
+    log.info("kernels: VAE decoder%s, %d latents per call; first pass %.1f s", how, kernels.decode_chunk, seconds)
+    return {key: True, "decode_chunk": kernels.decode_chunk, "decoder_first_pass_s": round(seconds, 2)}
 
 
 def fuse_decoder(adapter: Adapter, chunk: int, side: int | None) -> float:

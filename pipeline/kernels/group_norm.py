@@ -94,7 +94,7 @@ def _kernels():
                 y = y / (1.0 + tl.exp(-y))
             tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
-    return chunk_stats, normalize, triton.next_power_of_2, triton.cdiv, combine
+    return chunk_stats, normalize, triton.next_power_of_2, triton.cdiv
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
@@ -104,7 +104,7 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
     if x.device.type != "cuda":
         return reference(x, groups, weight, bias, eps, silu)
     x = x.contiguous()
-    chunk_stats, normalize, next_power_of_2, cdiv, _ = _kernels()
+    chunk_stats, normalize, next_power_of_2, cdiv = _kernels()
     batch, channels = x.shape[:2]
     if channels % groups or (weight is None) != (bias is None):
         raise ValueError(f"group_norm: x [N, C, ...] with C ({channels}) a multiple of groups ({groups}), "
