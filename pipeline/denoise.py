@@ -86,24 +86,28 @@ class Denoiser:
             return self.adapter.guided_eps, self._forward_specs
         return self._step, self._step_specs
 
-    def key(self, height: int, width: int) -> ShapeKey:
-        return (height, width, self.steps) if self.scope == "loop" else (height, width)
+    def key(self, height: int, width: int, text_length: int | None = None) -> ShapeKey:
+        """(height, width), the batch's text length where the adapter gives one, the step count in
+        the loop scope."""
+        key = (height, width) if text_length is None else (height, width, text_length)
+        return (*key, self.steps) if self.scope == "loop" else key
 
-    def capture_all(self, resolutions: list[tuple[int, int]],
-                    buckets: dict[tuple[int, int], set[int]] | None = None) -> None:
-        """Graphs for `resolutions`: at the ladder buckets `buckets` names per resolution (None: all)."""
-        keys = {(h, w): self.key(h, w) for h, w in resolutions}
+    def capture_all(self, shapes: list[tuple[int, ...]], buckets: dict[tuple[int, ...], set[int]] | None = None) -> None:
+        """Graphs for `shapes`, each (height, width) or (height, width, text length): at the ladder
+        buckets `buckets` names per shape (None: all)."""
+        keys = {shape: self.key(*shape) for shape in shapes}
         if self.scope != "forward":  # the tables a graph reads exist before it is captured
-            for h, w in resolutions:
-                self.sampler_at(h, w)
-        self.engine.capture_all(keys.values(), None if buckets is None else {keys[r]: b for r, b in buckets.items()})
+            for shape in shapes:
+                self.sampler_at(shape[0], shape[1])
+        self.engine.capture_all(keys.values(), None if buckets is None else {keys[s]: b for s, b in buckets.items()})
 
     @torch.no_grad()
-    def denoise(self, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """noise [n,C,h,w], cond {name: [n,K,...]} (K = 2 with CFG, else 1), guidance [n] -> final
-        latents [n,C,h,w]."""
+    def denoise(self, noise: torch.Tensor, cond: Inputs, guidance: torch.Tensor, height: int, width: int,
+                text_length: int | None = None) -> torch.Tensor:
+        """noise [n,C,h,w], cond {name: [n,K,...]} (K = 2 with CFG, else 1; text_length tokens of
+        text where given), guidance [n] -> final latents [n,C,h,w]."""
         n = noise.shape[0]
-        key = self.key(height, width)
+        key = self.key(height, width, text_length)
         if self.scope == "forward":
             return self._denoise_forward(key, noise, cond, guidance)
         sampler = self.sampler_at(height, width)
@@ -183,7 +187,7 @@ class Denoiser:
     # ---- inputs per scope ---------------------------------------------------------------------
 
     def _forward_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
-        return self.adapter.input_specs(key[0], key[1])
+        return self.adapter.input_specs(*key)
 
     def _step_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
         specs = {k: v for k, v in self._forward_specs(key).items() if k != "t"}
@@ -191,5 +195,6 @@ class Denoiser:
         return {**specs, "i": InputSpec((), torch.int64), "prev": InputSpec(latent, torch.float32)}
 
     def _loop_specs(self, key: ShapeKey) -> dict[str, InputSpec]:
-        return {k: v for k, v in self._forward_specs(key).items() if k != "t"}
+        """A loop's key ends with its step count."""
+        return {k: v for k, v in self._forward_specs(key[:-1]).items() if k != "t"}
 

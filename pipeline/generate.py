@@ -77,13 +77,23 @@ class PendingBatch:
         return rows, [pixels[i] if ok else None for i, ok in enumerate(finite)]
 
 
+def batch_texts(batch: Batch, cfg: bool) -> list[str]:
+    """The texts a batch encodes: its prompts, and with CFG its negative prompts (the default for a
+    row without one)."""
+    negatives = [negative_or_default(it.negative_prompt) for it in batch.items] if cfg else []
+    return [it.prompt for it in batch.items] + negatives
+
+
 def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                      stats: RunStats) -> PendingBatch:
+                      stats: RunStats, text_length: int | None = None) -> PendingBatch:
     """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
     its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
-    that still does not fit is marked failed. The batch still commits as one shard under its key."""
+    that still does not fit is marked failed. The batch still commits as one shard under its key,
+    and its parts run at the batch's text length (the adapter's `text_length_for` its texts)."""
+    if text_length is None:
+        text_length = adapter.text_length_for(batch_texts(batch, adapter.uses_cfg))
     try:
-        return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
+        return submit_batch(adapter, denoiser, prompts, batch, fields, stats, text_length)
     except torch.OutOfMemoryError:
         if adapter.device.type == "cuda":
             torch.cuda.synchronize(adapter.device)
@@ -94,11 +104,12 @@ def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache
     if len(items) > 1:
         half = (len(items) + 1) // 2
         halves = (items[:half], items[half:])
-        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats) for h in halves]
+        parts = [submit_with_retry(adapter, denoiser, prompts, sub_batch(batch, h, denoiser.engine.ladder), fields, stats,
+                                   text_length) for h in halves]
         return PendingBatch(batch, fields, stats, parts=parts)
     try:
         with denoiser.engine.eager():
-            return submit_batch(adapter, denoiser, prompts, batch, fields, stats)
+            return submit_batch(adapter, denoiser, prompts, batch, fields, stats, text_length)
     except torch.OutOfMemoryError:
         return PendingBatch(batch, fields, stats, error=OUT_OF_MEMORY)
 
@@ -108,21 +119,24 @@ def sub_batch(batch: Batch, items, ladder) -> Batch:
 
 
 def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                 stats: RunStats) -> PendingBatch:
-    """Queue one planned batch's device work; nothing here waits for the device."""
+                 stats: RunStats, text_length: int | None = None) -> PendingBatch:
+    """Queue one planned batch's device work, its text cut to `text_length` tokens where given;
+    nothing here waits for the device."""
     items = batch.items
     n = len(items)
     device = adapter.device
     timer = StageTimer(device)
     with timer.stage("encode"):
         cond = conditioning(prompts, [it.prompt for it in items], [it.negative_prompt for it in items], adapter.uses_cfg)
+        if text_length is not None:
+            cond = adapter.trim_text(cond, text_length)
         cond.update(adapter.size_inputs(batch.height, batch.width, n))
     with timer.stage("noise"):
         shape = adapter.latent_shape(batch.height, batch.width)
         noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
         guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
     with timer.stage("denoise"):
-        latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width)
+        latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width, text_length)
     with timer.stage("decode"):
         images = adapter.decode(latents)
         finite = torch.isfinite(images).flatten(1).all(1)

@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choice
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
 from pipeline.denoise import LOOP_REFUSAL, Denoiser, sampler_label
 from pipeline.errors import UserError
-from pipeline.generate import GpuBusy, Inflight, submit_with_retry
+from pipeline.generate import GpuBusy, Inflight, batch_texts, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               process_settings, start_compile_workers, with_attention)
@@ -39,13 +40,13 @@ from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, ext
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
-from pipeline.planner import Batch, Plan, buckets_by_resolution, size_label
+from pipeline.planner import Batch, Plan, buckets_by_shape, size_label
 from pipeline.model_info import model_family, sampler_defaults
 from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.kept_model import KeptModel, model_key, not_keepable
-from pipeline.prompts import PromptCache, manifest_texts, prompt_cache
+from pipeline.prompts import PromptCache, prompt_cache
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
 from pipeline.startup import Preamble, StartupClock, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
@@ -194,14 +195,16 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         stop.check()
 
         # 13. Graphs for every resolution this shard runs, before its first batch; the device memory then.
-        capture(built.denoiser, todo, cfg.bcg.capture)
+        lengths = text_lengths(built, todo)
+        capture(built.denoiser, todo, cfg.bcg.capture, lengths)
         stats.startup.lap("graphs")
         built.memory.denoise(built.adapter.holds_text_encoders)
         stop.check()
 
         # 14. Generate, batch by batch: the host queues a batch and moves on; the writer thread waits
         #     for its results. A stop signal takes effect once the queued batches are committed.
-        generated = generate(built, prompts, planned, todo, extras, cfg.output, cfg.runtime, setup.out_dir, stats, stop)
+        generated = generate(built, prompts, planned, todo, lengths, extras, cfg.output, cfg.runtime, setup.out_dir,
+                             stats, stop)
 
         # 15. This part's report, under parts/.
         report = part_report(cfg, setup, stats, planned, todo, len(bad), built, ladder, prompts, generated,
@@ -369,8 +372,8 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
         adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, setup.dtype), cfg.sampler.true_cfg_scale)
         clock.lap("build")
         compiled_before = compile_stats()
-        applied = apply_kernels(setup.kernels, adapter, probe, shapes=shapes, texts=manifest_texts(manifest))
-        why = not_keepable(cfg.model, setup.kernels)
+        applied = apply_kernels(setup.kernels, adapter, probe, shapes=shapes)
+        why = not_keepable(cfg.model)
         if kept is not None and base is None and why is None:
             kept.keep(key, adapter, applied)
         elif kept is not None and why is not None:
@@ -495,13 +498,27 @@ def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mir
     return PartReport.read(part_path(out_dir, shard.name)).to_dict()
 
 
-def capture(denoiser: Denoiser, todo: list[Batch], mode: str) -> None:
-    """bcg.capture=plan: a graph per (resolution, bucket) the batches use; ladder: every bucket."""
-    shapes = buckets_by_resolution(todo, denoiser.engine.ladder)
+def text_lengths(built: Built, todo: list[Batch]) -> dict[str, int | None]:
+    """Batch key -> the text length it runs at (kernels.trim_text_padding: from its own texts; None:
+    the model's fixed length); the lengths' batch counts go in stats.json's kernels."""
+    adapter = built.adapter
+    lengths = {b.key: adapter.text_length_for(batch_texts(b, adapter.uses_cfg)) for b in todo}
+    counts = Counter(n for n in lengths.values() if n is not None)
+    if counts:
+        built.kernels["text_lengths"] = {str(n): counts[n] for n in sorted(counts)}
+        log.info("text lengths (tokens: batches): %s", built.kernels["text_lengths"])
+    return lengths
+
+
+def capture(denoiser: Denoiser, todo: list[Batch], mode: str, lengths: dict[str, int | None]) -> None:
+    """bcg.capture=plan: a graph per (resolution, text length, bucket) the batches use; ladder:
+    every bucket."""
+    shapes = buckets_by_shape(todo, denoiser.engine.ladder, lengths)
     denoiser.capture_all(sorted(shapes), shapes if mode == "plan" else None)
 
 
-def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[Batch], extras: pa.Schema,
+def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[Batch], lengths: dict[str, int | None],
+             extras: pa.Schema,
              output: OutputConfig, runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
     """Every batch of `todo` queued on the device and committed by the writer thread, which writes
     this shard's shard files as their batches complete."""
@@ -517,7 +534,8 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
             for batch in todo:
                 bar.set_postfix_str(f"{size_label(batch.height, batch.width)} b{batch.bucket}")
                 busy.begin()
-                pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats)
+                pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats,
+                                            lengths[batch.key])
                 busy.end()
                 writer.submit(pending)
                 inflight.admit(pending)

@@ -46,12 +46,10 @@ def model_key(model: Any, device: torch.device, dtype: torch.dtype, kernels: Any
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def not_keepable(model: Any, kernels: Any) -> str | None:
+def not_keepable(model: Any) -> str | None:
     """Why a model built for this job cannot serve the next one, or None."""
     if model.offload_text_encoder:
         return "model.offload_text_encoder frees its text encoders during the job"
-    if kernels.trim_text_padding:
-        return "kernels.trim_text_padding sets its text length from this job's manifest"
     return None
 
 

@@ -99,13 +99,17 @@ class Plan:
         return sorted({(b.height, b.width) for b in self.batches})
 
 
-def buckets_by_resolution(batches: Iterable[Batch], ladder: Sequence[int]) -> dict[tuple[int, int], set[int]]:
-    """(height, width) -> the ladder buckets these batches run at, the graphs bcg.capture=plan
+def buckets_by_shape(batches: Iterable[Batch], ladder: Sequence[int],
+                     text_lengths: Mapping[str, int | None] | None = None) -> dict[tuple[int, ...], set[int]]:
+    """(height, width), or (height, width, text length) for a batch that `text_lengths` (batch key ->
+    tokens) gives one -> the ladder buckets these batches run at, the graphs bcg.capture=plan
     captures: the smallest bucket that holds each batch's rows, which is what the engine picks. (A
     plan made with measured costs may record a larger bucket for a batch, where it measured cheaper.)"""
-    out: dict[tuple[int, int], set[int]] = {}
+    out: dict[tuple[int, ...], set[int]] = {}
     for b in batches:
-        out.setdefault((b.height, b.width), set()).add(pick_bucket(ladder, len(b.items)))
+        length = (text_lengths or {}).get(b.key)
+        shape = (b.height, b.width) if length is None else (b.height, b.width, length)
+        out.setdefault(shape, set()).add(pick_bucket(ladder, len(b.items)))
     return out
 
 

@@ -68,8 +68,8 @@ class KernelSettings:
     # Flux: every norm's modulation projection computed once per batch for every step (bcg.scope
     # forward or step).
     hoist_modulation: bool = False
-    # PixArt: prompts padded to the manifest's longest (rounded up to 64 tokens), not max_sequence_length;
-    # an image then depends on the manifest's longest prompt.
+    # PixArt: each batch's text cut to its longest prompt (rounded up to 64 tokens), not max_sequence_length;
+    # an image is then a function of its batch's texts (the plan fixes them), equal to the untrimmed up to rounding.
     trim_text_padding: bool = False
     # The VAE decoder's group norms and their SiLUs in Triton kernels of fixed block sizes (CUDA; the CPU
     # runs PyTorch's ops): a faster decode, nothing compiled. Latents decoded `decode_chunk` at a time.
@@ -110,7 +110,7 @@ _FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fus
 _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_gelu": True, "persistent_reductions": True,
         "fuse_qk_norm": True, **_DECODER}
 _SD3_FP8 = {**_SD3, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
-_FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, **_DECODER}
+_FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "trim_text_padding": True, **_DECODER}
 # the float8 blocks' row functions (residual adds, norms, quantizations) compiled, each one kernel
 _FAST_FP8 = {**_FAST, "fp8": True, "compile": True, "compile_scope": "norms", "persistent_reductions": True}
 _EPILOGUE = "the GELU runs in cuBLASLt's epilogue, which only CUDA has"
@@ -121,7 +121,8 @@ PLANS: dict[str, Plan] = {
     "compiled": Plan("cuDNN attention and the transformer's repeated blocks compiled once for every shape", FAMILIES,
                      _COMPILED),
     "fast": Plan("PixArt's own blocks with the residual adds in the matmuls, the GELU in the up-projection's "
-                 "epilogue, a fixed Triton layer norm and cuDNN attention, the decoder's group norms fused; nothing compiled",
+                 "epilogue, a fixed Triton layer norm and cuDNN attention, each batch's text cut to its longest prompt, "
+                 "the decoder's group norms fused; nothing compiled",
                  ("pixart",), _FAST, cuda_only=_EPILOGUE),
     "fast-fp8": Plan("PixArt's own blocks with float8 linear layers, each residual add and layer norm in the kernel "
                      "that quantizes the next layers' rows (compiled once for every row count), the GELU in the "

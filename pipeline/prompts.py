@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -30,13 +30,6 @@ log = logging.getLogger(__name__)
 
 def negative_or_default(prompt: str | None) -> str:
     return prompt if prompt is not None else DEFAULT_NEGATIVE
-
-
-def manifest_texts(manifest) -> Iterator[str]:
-    """Every text a job may encode for the rows of a `pipeline.manifest.Manifest`: prompts and
-    negative prompts (the default for a row without one), each once, sorted; found when iterated."""
-    negatives = {negative_or_default(n) for n in manifest.unique("negative_prompt")}
-    yield from sorted(set(manifest.unique("prompt")) | negatives)
 
 
 class PromptCache:

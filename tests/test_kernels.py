@@ -443,45 +443,55 @@ def test_compiling_the_decoder_in_bf16_traces_it_once_and_prints_no_notice():
 
 
 def test_trimmed_text_padding_computes_the_same_step(tiny):
-    """The padding T5 and cross-attention mask out contributes nothing: a prompt padded to 16
-    tokens gives the step it gives at the tiny model's 32."""
+    """The padding cross-attention masks out contributes nothing: a batch's text cut to its longest
+    prompt (rounded up) gives the step the full max_sequence_length gives."""
     prompts = ["a red cat on a mat", ""]
+    assert tiny.text_length_for(prompts) is None  # off until kernels.trim_text_padding turns it on
     full = tiny.encode(prompts)
     assert full["emb"].shape[1] == tiny.max_sequence_length == 32
-    assert tiny.fit_text_length([*prompts, "dog"], multiple=8) == 24  # 18 characters + </s>, rounded up to 8
-    assert tiny.fit_text_length(prompts, multiple=64) == 32  # never past max_sequence_length
-    assert tiny.fit_text_length(prompts, multiple=16) == 32  # 19 tokens -> 32
-    tiny.fit_text_length(["a cat"], multiple=8)
-    short = tiny.encode(["a dog"])
-    assert tiny.text_length == 8 and short["emb"].shape[1] == 8 and short["mask"].shape[1] == 8
-    with pytest.raises(ValueError, match="has more than the 8 tokens fitted"):  # never cut a prompt short
-        tiny.encode(prompts[:1])
-    tiny.fit_text_length(prompts, multiple=4)
-    trimmed = tiny.encode(prompts)
-    assert trimmed["emb"].shape[1] == 20
-    torch.testing.assert_close(trimmed["emb"][0, :19], full["emb"][0, :19], rtol=1e-5, atol=1e-5)
+    tiny.text_multiple = 8
+    try:
+        assert tiny.text_length_for(prompts) == 24  # 18 characters + </s>, rounded up to 8
+        assert tiny.text_length_for(["x" * 40]) == 32  # never past max_sequence_length
+        tiny.text_multiple = 4
+        assert tiny.text_length_for(prompts) == 20
+    finally:
+        tiny.text_multiple = None
     steps = []
-    for cond, length in ((full, 32), (trimmed, 20)):
-        tiny.text_length = length
-        x = inputs(tiny)
-        x["emb"].copy_(cond["emb"].flip(0).unsqueeze(0).expand(2, -1, -1, -1))  # [uncond, cond] per row
-        x["mask"].copy_(cond["mask"].flip(0).unsqueeze(0).expand(2, -1, -1))
+    for length in (32, 20):
+        cond = tiny.trim_text({name: t.flip(0).unsqueeze(0) for name, t in full.items()}, length)  # [1, 2, L, ...]
+        x = inputs(tiny) if length == 32 else StaticInputs.allocate(tiny.input_specs(64, 64, length), 2,
+                                                                     torch.device("cpu")).view(2)
+        if length != 32:
+            x.update({k: v for k, v in inputs(tiny).items() if k not in ("emb", "mask")})
+        assert x["emb"].shape[2] == length and cond["emb"].shape[2] == length
+        x["emb"].copy_(cond["emb"].expand(2, -1, -1, -1))  # [uncond, cond] per row
+        x["mask"].copy_(cond["mask"].expand(2, -1, -1))
         with torch.no_grad():
             steps.append(tiny.guided_eps(x))
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-5)
 
 
-def test_trimmed_text_padding_job_makes_the_same_images_and_is_a_setting(tmp_path):
-    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
-    longer = "model.max_sequence_length=128"  # the tiny model's 32 tokens are less than one rounding step
-    trimmed = run(cpu_job(manifest, tmp_path / "trim", longer, "kernels.trim_text_padding=true"))
-    run(cpu_job(manifest, tmp_path / "full", longer))
-    assert trimmed["kernels"]["text_length"] == 64  # "a photo of a cat a" + </s>, rounded up to 64, not 128
+def test_trimmed_text_padding_job_cuts_each_batch_and_is_exact_across_shards(tmp_path):
+    """Each batch runs at its own texts' length: images the untrimmed job's up to rounding, the same
+    bytes when its batches run in two shards; a setting the resume check counts."""
+    specs = [{"id": i, "prompt": f"a photo of a cat {i}", "width": 64, "height": 64, "seed": n}
+             for n, i in enumerate(("a", "b", "c"))]
+    specs[2]["prompt"] = "a long prompt about a cat " * 3  # 78 characters: past 64 tokens, so its batch runs at 128
+    manifest = write_manifest(tmp_path / "m.parquet", specs)
+    job = ("model.max_sequence_length=256", "bcg.ladder=[2]")  # batches [a, b] and [c]
+    trimmed = run(cpu_job(manifest, tmp_path / "trim", *job, "kernels.trim_text_padding=true"))
+    full = run(cpu_job(manifest, tmp_path / "full", *job))
+    assert trimmed["kernels"]["text_lengths"] == {"64": 1, "128": 1} and "text_lengths" not in full["kernels"]
+    for shard in (0, 1):
+        run(cpu_job(manifest, tmp_path / "shards", *job, "kernels.trim_text_padding=true", "shard.count=2",
+                    f"shard.index={shard}"))
     for image in (tmp_path / "full" / "images").iterdir():
-        diff = png(image).astype(int) - png(tmp_path / "trim" / "images" / image.name).astype(int)
-        assert abs(diff).max() <= 1, image.name
+        ours = png(tmp_path / "trim" / "images" / image.name)
+        assert abs(png(image).astype(int) - ours.astype(int)).max() <= 1, image.name
+        assert np.array_equal(png(tmp_path / "shards" / "images" / image.name), ours), image.name
     with pytest.raises(ResumeConflict, match="kernels other than the default"):
-        run(cpu_job(manifest, tmp_path / "trim", longer))
+        run(cpu_job(manifest, tmp_path / "trim", *job))
     with pytest.raises(UserError, match=r"families \['pixart'\] mask the text padding"):
         check_kernels(KernelSettings(trim_text_padding=True), "sd3")
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from bcg.buckets import linear_costs, parse_ladder, split_sizes
 from pipeline.manifest import Item
-from pipeline.planner import Batch, Plan, buckets_by_resolution, make_plan
+from pipeline.planner import Batch, Plan, buckets_by_shape, make_plan
 
 POW2_8 = (1, 2, 4, 8)
 
@@ -63,7 +63,11 @@ def test_mixed_resolutions_example():
     assert plan.by_bucket() == {2: 2, 1: 2, 8: 1}
     assert plan.resolutions() == [(256, 256), (512, 512), (512, 768)]
     # bcg.capture=plan: graphs for these 5 (resolution, bucket) pairs, not the ladder's 12
-    assert buckets_by_resolution(plan.batches, POW2_8) == {(256, 256): {2, 1}, (512, 512): {8, 2}, (512, 768): {1}}
+    assert buckets_by_shape(plan.batches, POW2_8) == {(256, 256): {2, 1}, (512, 512): {8, 2}, (512, 768): {1}}
+    # a model that cuts each batch's text: a shape per (resolution, text length)
+    lengths = {b.key: 128 if b.height == 512 and b.bucket == 8 else 64 for b in plan.batches}
+    assert buckets_by_shape(plan.batches, POW2_8, lengths) == {
+        (256, 256, 64): {2, 1}, (512, 512, 128): {8}, (512, 512, 64): {2}, (512, 768, 64): {1}}
 
 
 def test_seven_items_pad_into_one_batch_of_eight():
@@ -101,7 +105,7 @@ def test_graphs_follow_the_bucket_the_engine_runs_not_a_cheaper_looking_one():
     items = [item(r, 256, 256) for r in range(2)]
     plan = make_plan(items, POW2_8, costs={(256, 256): {1: 10.0, 2: 10.0, 4: 9.0, 8: 11.0}})
     assert [b.bucket for b in plan.batches] == [4]
-    assert buckets_by_resolution(plan.batches, POW2_8) == {(256, 256): {2}}
+    assert buckets_by_shape(plan.batches, POW2_8) == {(256, 256): {2}}
 
 
 def test_missing_cost_entry_names_resolution_and_bucket():

@@ -166,7 +166,7 @@ def test_multirun_in_one_process_makes_what_separate_processes_make(tmp_path, mo
 
     together = {name: job_outputs(sweep / str(num)) for num, name in enumerate(EXPERIMENTS)}
     assert together["a"]["precision"] == {"dtype": "fp32", "tf32": True, "cudnn_benchmark": True}
-    assert together["b"]["kernels"]["fused_attention_layers"] > 0 and "text_length" in together["b"]["kernels"]
+    assert together["b"]["kernels"]["fused_attention_layers"] > 0 and "text_lengths" in together["b"]["kernels"]
     assert together["a"]["settings"] != together["b"]["settings"]
     for name in EXPERIMENTS:
         assert together[name].keys() == alone[name].keys()

@@ -24,7 +24,7 @@ it ends (pipeline.process_state).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -208,6 +208,8 @@ def output_kernels(kernels: KernelSettings) -> dict:
                 "hoist_modulation", "trim_text_padding"):  # switches count only when on
         if getattr(kernels, key):
             out[key] = True
+    if kernels.trim_text_padding:  # a batch's text length: its rounding
+        out["text_multiple"] = text.MULTIPLE
     if kernels.fuse_residual:  # its layer norm's kernel on CUDA, whose block sizes set a row's rounding
         out["residual_norm"] = norm.SETTING
         out["residual_constants"] = CONSTANTS  # how its per-step constants are computed (their rounding)
@@ -239,17 +241,16 @@ def output_kernels(kernels: KernelSettings) -> dict:
 
 
 def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] | None, shapes: int,
-                  texts: Iterable[str] | None = None, device_checks: bool = True) -> dict:
-    """Set the kernels of this adapter, in order: the text length (from every prompt the job may
-    encode, `texts`), the attention processor, our own blocks or diffusers' fused projections and
-    GELUs; then observe which attention backend serves its calls (one eager CFG forward, 1 row, at
+                  device_checks: bool = True) -> dict:
+    """Set the kernels of this adapter, in order: the per-batch text length, the attention processor,
+    our own blocks or diffusers' fused projections and GELUs; then observe which attention backend serves its calls (one eager CFG forward, 1 row, at
     `probe_size`); then compile (for `shapes` shapes) and the decoder -> stats.json's `kernels`.
     `device_checks` False: what needs a GPU runs its CPU reference (a benchmark's smoke run)."""
     from pipeline.blocks import own_blocks
 
     check_kernels(kernels, adapter.family, adapter.device if device_checks else None)
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
-    report.update(text.apply(kernels, adapter, texts))
+    report.update(text.apply(kernels, adapter))
     report.update(attention.apply(kernels, adapter))
     report.update(qkv.apply(kernels, adapter))
     report.update(own_blocks(kernels, adapter))

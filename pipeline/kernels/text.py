@@ -1,12 +1,12 @@
-"""kernels.trim_text_padding: prompts padded to the longest prompt the job may encode (rounded up),
-not to max_sequence_length. For families that mask the padding out of the text encoder and of
-cross-attention, the images are the same up to rounding, and cross-attention and text encoding
-do less work."""
+"""kernels.trim_text_padding: each batch's text cut to its own longest prompt (rounded up), not
+max_sequence_length. For families that mask the padding out of cross-attention, the images are the
+untrimmed ones up to rounding, and cross-attention does less work. An image is then a function of
+its batch's texts, which the plan fixes: the same in a resumed job, in a shard, in another process."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from pipeline.plans import KernelSettings
 
@@ -15,15 +15,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MULTIPLE = 64  # a batch's text length is its longest text's tokens rounded up to this
 
-def apply(kernels: KernelSettings, adapter: Adapter, texts: Iterable[str] | None) -> dict:
-    """The adapter's text length fitted to `texts` (every prompt the job may encode) -> {"text_length": n}
-    when on, else {}."""
+
+def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
+    """Turn the adapter's per-batch text length on -> {"text_multiple": tokens} when on, else {}."""
     if not kernels.trim_text_padding:
         return {}
-    if texts is None:
-        raise ValueError("kernels.trim_text_padding: apply_kernels needs every text the job will encode (texts=...)")
-    length = adapter.fit_text_length(texts)
-    log.info("kernels: prompts padded to %d tokens (the longest prompt, rounded up), not %d",
-             length, adapter.max_sequence_length)
-    return {"text_length": length}
+    adapter.text_multiple = MULTIPLE
+    log.info("kernels: each batch's prompts cut to its longest, rounded up to %d tokens (at most %d)",
+             MULTIPLE, adapter.max_sequence_length)
+    return {"text_multiple": MULTIPLE}

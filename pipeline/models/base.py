@@ -8,7 +8,7 @@ one file in `conf/model/` and one line in `pipeline.models.FAMILIES`.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -64,7 +64,15 @@ class Adapter(Protocol):
         """Per-row inputs of `guided_eps`: "x" (latents), "t" (timestep, float32), "g" (the
         guidance scale, float32: CFG's, or the guidance embedding's), every conditioning name with
         shape [2, ...] (index 0 negative, 1 positive; [1, ...], the prompt, without CFG), and the
-        names of `size_inputs`."""
+        names of `size_inputs`. A family whose `text_length_for` gives lengths takes the text
+        length as a third argument."""
+
+    def text_length_for(self, texts: Iterable[str]) -> int | None:
+        """The text length a batch with these texts (prompts and negative prompts) runs at, a part
+        of its graphs' key; None: every batch at the family's fixed length (most families)."""
+
+    def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        """A batch's conditioning cut to `length` tokens of text (`text_length_for`'s)."""
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step's model output, graph-safe (no host sync, no Python values that change between
@@ -161,6 +169,12 @@ class TransformerVAE:
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         return {}
+
+    def text_length_for(self, texts: Iterable[str]) -> int | None:
+        return None
+
+    def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        return cond
 
     def schedule_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
         return {}

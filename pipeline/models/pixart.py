@@ -35,7 +35,6 @@ SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
 PIPELINES = pipelines_of("pixart")
 TRANSFORMER = PixArtTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
 DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
-TEXT_LENGTH_MULTIPLE = 64  # kernels.trim_text_padding rounds the text length up to this many tokens
 
 
 def clean_prompts(prompts: Iterable[str]) -> list[str]:
@@ -68,7 +67,10 @@ class PixArtAdapter(TransformerVAE):
         self.text_encoder = text_encoder.eval() if text_encoder is not None else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[pipeline]
-        self.text_length = self.max_sequence_length  # tokens per encoded prompt: see fit_text_length
+        # the text length input_specs gives a key without one (a benchmark may set a shorter one)
+        self.text_length = self.max_sequence_length
+        # kernels.trim_text_padding: each batch's text cut to its longest text, rounded up to this (None: off)
+        self.text_multiple: int | None = None
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
         self.micro_conditions = pipeline == ALPHA and transformer.config.sample_size == MICRO_CONDITION_SAMPLE_SIZE
@@ -83,37 +85,29 @@ class PixArtAdapter(TransformerVAE):
         if self.text_encoder is None:
             raise RuntimeError(released_message(self.name))
         text = clean_prompts(prompts)
-        tokens = self.tokenize(text)
+        tokens = pad_tokens(self.tokenizer, text, self.max_sequence_length)
         mask = to_device(tokens.attention_mask, self.device)
         encoder_device = self.text_encoder.device
         emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]
         return {"emb": emb.to(self.device, self.dtype), "mask": mask}
 
-    def fit_text_length(self, texts: Iterable[str], multiple: int = TEXT_LENGTH_MULTIPLE) -> int:
-        """Encode prompts padded to the longest of `texts` (special tokens included), rounded up to
-        `multiple` and at most max_sequence_length, instead of max_sequence_length -> that length.
-        T5 and the transformer's cross-attention mask the padding out, so the images are the same
-        up to rounding (the summation order of the shorter sequences); the same texts, the same
-        length, so a resumed job encodes as its first run did."""
+    def text_length_for(self, texts: Iterable[str]) -> int | None:
+        """The text length a batch with these texts (its prompts and negative prompts) runs at, with
+        kernels.trim_text_padding: their longest (special tokens included) rounded up to
+        `text_multiple`, at most max_sequence_length; None when off (every batch at
+        max_sequence_length). T5 still encodes every prompt at max_sequence_length; the batch's
+        transformer sees the first tokens only, all padding beyond them, which cross-attention masks
+        out. So an image is the untrimmed one up to rounding, and a function of its batch's texts."""
+        if self.text_multiple is None:
+            return None
         if self.tokenizer is None:
             raise RuntimeError(released_message(self.name))
-        unique = sorted(set(clean_prompts(texts)) | {""})
-        longest = max(len(ids) for ids in self.tokenizer(unique, add_special_tokens=True)["input_ids"])
-        self.text_length = min(-(-longest // multiple) * multiple, self.max_sequence_length)
-        return self.text_length
+        longest = int(pad_tokens(self.tokenizer, clean_prompts(texts), self.max_sequence_length).attention_mask.sum(1).max())
+        return min(-(-longest // self.text_multiple) * self.text_multiple, self.max_sequence_length)
 
-    def tokenize(self, text: list[str]):
-        """Padded to text_length. A fitted (shorter) length must never cut a prompt that
-        max_sequence_length would keep: one token more is asked for, and must be padding."""
-        if self.text_length == self.max_sequence_length:
-            return pad_tokens(self.tokenizer, text, self.text_length)
-        tokens = pad_tokens(self.tokenizer, text, self.text_length + 1)
-        cut = tokens.attention_mask[:, -1].nonzero().flatten().tolist()
-        if cut:
-            raise ValueError(f"prompt {text[cut[0]][:80]!r} has more than the {self.text_length} tokens fitted to the "
-                             "job's texts (kernels.trim_text_padding): fit_text_length was not given it")
-        tokens["input_ids"], tokens["attention_mask"] = tokens.input_ids[:, :-1], tokens.attention_mask[:, :-1]
-        return tokens
+    def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        """Conditioning [n, 2, max_sequence_length, ...] -> its first `length` tokens (text_length_for's)."""
+        return {name: t[:, :, :length] if name in ("emb", "mask") else t for name, t in cond.items()}
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """PixArt-Alpha at sample_size 128: resolution [n, 2] = (height, width) and aspect ratio
@@ -127,10 +121,11 @@ class PixArtAdapter(TransformerVAE):
             "aspect_ratio": aspect_ratio.to(dtype=self.dtype, device=self.device),
         }
 
-    def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
-        """Per-row inputs of one CFG step. Conditioning is stacked [uncond, cond] on dim 1 so that
-        batch stays dim 0 and a smaller bucket is a plain slice of the largest one's buffers."""
-        length, dim = self.text_length, self.cond_dim
+    def input_specs(self, height: int, width: int, text_length: int | None = None) -> dict[str, InputSpec]:
+        """Per-row inputs of one CFG step, with `text_length` tokens of text (None: text_length).
+        Conditioning is stacked [uncond, cond] on dim 1 so that batch stays dim 0 and a smaller
+        bucket is a plain slice of the largest one's buffers."""
+        length, dim = text_length or self.text_length, self.cond_dim
         specs = {
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
