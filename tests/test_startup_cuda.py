@@ -29,11 +29,14 @@ from pipeline.stats import STOP_AFTER_BATCHES
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                reason="float8 needs sm89+")
-# Six batches over three sizes (ladder [1, 2, 4]), so that a shard or a resumed job starts at another shape.
+# Five batches over three sizes (ladder [1, 2, 4]), so that a shard or a resumed job starts at another shape.
 MANIFEST = rows(*[(f"r{k:02d}", 64, 64, k) for k in range(6)], *[(f"s{k:02d}", 96, 96, 10 + k) for k in range(3)],
                 *[(f"t{k:02d}", 128, 64, 20 + k) for k in range(4)])
+for row in (MANIFEST[6], MANIFEST[9]):  # PixArt's plans cut each batch's text: these batches run at 128 tokens, the rest at 64
+    row["prompt"] = f"a long and detailed photo of a cat on a mat in the sun {row['id']}" * 2
 COMMON = ("runtime.device=cuda:0", "sampler.steps=4", "runtime.progress=false", "bcg.ladder=[1,2,4]")
-FAST = ("kernels.plan=fast", "precision=bf16", *COMMON)
+PIXART = ("model.max_sequence_length=256",)  # the tiny model's 32 tokens would leave nothing to cut
+FAST = ("kernels.plan=fast", "precision=bf16", *PIXART, *COMMON)
 FLUX = ("model=tiny_flux", "model.arch.transformer.attention_head_dim=32", "model.arch.transformer.axes_dims_rope=[8,12,12]",
         *COMMON)
 SD3 = ("model=tiny_sd35_medium", *COMMON)
@@ -43,7 +46,7 @@ COMPILED_PLANS = {
     "flux-fp8": ((*FLUX, "precision=fp8"), "flux-fp8"),
     "sd3-bf16": ((*SD3, "precision=bf16"), "sd3"),
     "sd3-fp8": ((*SD3, "precision=fp8"), "sd3-fp8"),
-    "pixart-fp8": (("model=tiny", *COMMON, "precision=fp8"), "fast-fp8"),
+    "pixart-fp8": (("model=tiny", *PIXART, *COMMON, "precision=fp8"), "fast-fp8"),
 }
 
 
@@ -66,6 +69,7 @@ def whole(tmp_path_factory):
     done = run_python(*job_args(manifest, d / "whole"), env={"BCG_CACHE_DIR": str(d / "cache")}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert stats(d / "whole")["kernels"]["reproducible"] is True
+    assert stats(d / "whole")["kernels"]["text_lengths"] == {"64": 3, "128": 2}
     return manifest, d / "whole"
 
 
