@@ -452,6 +452,7 @@ def test_trimmed_text_padding_computes_the_same_step(tiny):
     tiny.text_multiple = 8
     try:
         assert tiny.text_length_for(prompts) == 24  # 18 characters + </s>, rounded up to 8
+        assert int(full["mask"].sum(1).max()) == 19  # what encode's mask keeps
         assert tiny.text_length_for(["x" * 40]) == 32  # never past max_sequence_length
         tiny.text_multiple = 4
         assert tiny.text_length_for(prompts) == 20

@@ -102,7 +102,9 @@ class PixArtAdapter(TransformerVAE):
             return None
         if self.tokenizer is None:
             raise RuntimeError(released_message(self.name))
-        longest = int(pad_tokens(self.tokenizer, clean_prompts(texts), self.max_sequence_length).attention_mask.sum(1).max())
+        unique = list(dict.fromkeys(clean_prompts(texts)))  # as encode tokenizes them, unpadded: the mask's ones
+        ids = self.tokenizer(unique, truncation=True, max_length=self.max_sequence_length, add_special_tokens=True)["input_ids"]
+        longest = max(len(row) for row in ids)
         return min(-(-longest // self.text_multiple) * self.text_multiple, self.max_sequence_length)
 
     def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
