@@ -21,7 +21,7 @@ from pipeline.denoise import Denoiser
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, compile_vae_decoder,
-                              decode_in_chunks, output_kernels, with_attention)
+                              decode_in_chunks, output_kernels, text, with_attention)
 from pipeline.kernels.attention import FLASH_ATTN_OP, probe_attention, use_flash_attn
 from pipeline.kernels.compile import CACHE_ENV, compile_options
 from pipeline.kernels.decoder import padding_note
@@ -447,6 +447,9 @@ def test_trimmed_text_padding_computes_the_same_step(tiny):
     prompt (rounded up) gives the step the full max_sequence_length gives."""
     prompts = ["a red cat on a mat", ""]
     assert tiny.text_length_for(prompts) is None  # off until kernels.trim_text_padding turns it on
+    assert text.apply(KernelSettings(trim_text_padding=True), tiny) == {"text_multiple": 64}
+    assert tiny.text_length_for(prompts) == 32  # 19 tokens rounded up to 64, at most the tiny model's 32
+    assert text.apply(KernelSettings(), tiny) == {} and tiny.text_length_for(prompts) is None  # a later plan without it
     full = tiny.encode(prompts)
     assert full["emb"].shape[1] == tiny.max_sequence_length == 32
     tiny.text_multiple = 8
