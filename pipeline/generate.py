@@ -77,21 +77,13 @@ class PendingBatch:
         return rows, [pixels[i] if ok else None for i, ok in enumerate(finite)]
 
 
-def batch_texts(batch: Batch, cfg: bool) -> list[str]:
-    """The texts a batch encodes: its prompts, and with CFG its negative prompts (the default for a
-    row without one)."""
-    negatives = [negative_or_default(it.negative_prompt) for it in batch.items] if cfg else []
-    return [it.prompt for it in batch.items] + negatives
-
-
 def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                      stats: RunStats, text_length: int | None = None) -> PendingBatch:
+                      stats: RunStats, text_length: int | None) -> PendingBatch:
     """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
     its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
     that still does not fit is marked failed. The batch still commits as one shard under its key,
-    and its parts run at the batch's text length (the adapter's `text_length_for` its texts)."""
-    if text_length is None:
-        text_length = adapter.text_length_for(batch_texts(batch, adapter.uses_cfg))
+    and its parts run at the batch's text length (`text_length`: the adapter's `text_length_for` the
+    batch's texts)."""
     try:
         return submit_batch(adapter, denoiser, prompts, batch, fields, stats, text_length)
     except torch.OutOfMemoryError:
@@ -119,7 +111,7 @@ def sub_batch(batch: Batch, items, ladder) -> Batch:
 
 
 def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                 stats: RunStats, text_length: int | None = None) -> PendingBatch:
+                 stats: RunStats, text_length: int | None) -> PendingBatch:
     """Queue one planned batch's device work, its text cut to `text_length` tokens where given;
     nothing here waits for the device."""
     items = batch.items

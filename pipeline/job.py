@@ -28,7 +28,7 @@ from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choice
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
 from pipeline.denoise import LOOP_REFUSAL, Denoiser, sampler_label
 from pipeline.errors import UserError
-from pipeline.generate import GpuBusy, Inflight, batch_texts, submit_with_retry
+from pipeline.generate import GpuBusy, Inflight, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               process_settings, start_compile_workers, with_attention)
@@ -46,7 +46,7 @@ from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.kept_model import KeptModel, model_key, not_keepable
-from pipeline.prompts import PromptCache, prompt_cache
+from pipeline.prompts import PromptCache, planned_prompts, prompt_cache
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
 from pipeline.startup import Preamble, StartupClock, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
@@ -502,7 +502,7 @@ def text_lengths(built: Built, todo: list[Batch]) -> dict[str, int | None]:
     """Batch key -> the text length it runs at (kernels.trim_text_padding: from its own texts; None:
     the model's fixed length); the lengths' batch counts go in stats.json's kernels."""
     adapter = built.adapter
-    lengths = {b.key: adapter.text_length_for(batch_texts(b, adapter.uses_cfg)) for b in todo}
+    lengths = {b.key: adapter.text_length_for(planned_prompts([b], adapter.uses_cfg)) for b in todo}
     counts = Counter(n for n in lengths.values() if n is not None)
     if counts:
         built.kernels["text_lengths"] = {str(n): counts[n] for n in sorted(counts)}

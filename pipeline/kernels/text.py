@@ -21,11 +21,9 @@ MULTIPLE = 64  # a batch's text length is its longest text's tokens rounded up t
 def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
     """Turn the adapter's per-batch text length on, or off (an adapter that ran another plan before)
     -> {"text_multiple": tokens} when on, else {}."""
+    adapter.text_multiple = MULTIPLE if kernels.trim_text_padding else None
     if not kernels.trim_text_padding:
-        if getattr(adapter, "text_multiple", None) is not None:
-            adapter.text_multiple = None
         return {}
-    adapter.text_multiple = MULTIPLE
     log.info("kernels: each batch's prompts cut to its longest, rounded up to %d tokens (at most %d)",
              MULTIPLE, adapter.max_sequence_length)
     return {"text_multiple": MULTIPLE}

@@ -145,6 +145,9 @@ class TransformerVAE:
     expressions differ)."""
 
     uses_cfg = True
+    # kernels.trim_text_padding (pipeline.kernels.text): a family whose text_length_for cuts each batch's
+    # text rounds its length up to this many tokens; None: off
+    text_multiple: int | None = None
 
     def __init__(self, name: str, pipeline: str, transformer: torch.nn.Module, vae: torch.nn.Module,
                  scheduler_class: str, scheduler_config: dict[str, Any], max_side: int):

@@ -69,8 +69,6 @@ class PixArtAdapter(TransformerVAE):
         self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[pipeline]
         # the text length input_specs gives a key without one (a benchmark may set a shorter one)
         self.text_length = self.max_sequence_length
-        # kernels.trim_text_padding: each batch's text cut to its longest text, rounded up to this (None: off)
-        self.text_multiple: int | None = None
         self.learned_sigma = transformer.config.out_channels // 2 == self.latent_channels
         self.granularity = self.vae_scale_factor * transformer.config.patch_size
         self.micro_conditions = pipeline == ALPHA and transformer.config.sample_size == MICRO_CONDITION_SAMPLE_SIZE
