@@ -3,9 +3,11 @@
 `submit_batch` queues a batch's work (conditioning, noise, denoise, decode, the uint8 conversion and
 the finite check, and the copy of both into pinned host memory) and returns a `PendingBatch` at
 once; the writer thread resolves it (waits for its event, builds its rows) while the main thread
-queues the next batch. So the GPU never waits for PNG encoding, Parquet writes or the host's
-preparation of the next batch. `Inflight` bounds how far the host runs ahead, and `GpuBusy` measures
-what is left of the waiting, from events on the GPU's own timeline.
+queues the next batch. So the GPU never waits for PNG encoding or Parquet writes. `Lookahead`
+prepares the next batch's inputs (`prepare_batch`: tokenizing, drawing its noise) between a batch's
+denoise and its decode, while the GPU runs the denoise, so the GPU does not wait for that host work
+either, however long the decode's launches keep the host. `Inflight` bounds how far the host runs
+ahead, and `GpuBusy` measures what is left of the waiting, from events on the GPU's own timeline.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -78,18 +81,17 @@ class PendingBatch:
 
 
 def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                      stats: RunStats, text_length: int | None) -> PendingBatch:
+                      stats: RunStats, text_length: int | None, prepared: Prepared | None = None,
+                      between: Callable[[], None] | None = None) -> PendingBatch:
     """`submit_batch`, and on a CUDA out-of-memory the same rows again split in two (each half at
     its own smaller ladder bucket), down to single rows, then a single row with graphs off; a row
     that still does not fit is marked failed. The batch still commits as one shard under its key,
     and its parts run at the batch's text length (`text_length`: the adapter's `text_length_for` the
-    batch's texts)."""
+    batch's texts). `prepared` and `between` serve the first attempt only (`submit_batch`)."""
     try:
-        return submit_batch(adapter, denoiser, prompts, batch, fields, stats, text_length)
+        return submit_batch(adapter, denoiser, prompts, batch, fields, stats, text_length, prepared, between)
     except torch.OutOfMemoryError:
-        if adapter.device.type == "cuda":
-            torch.cuda.synchronize(adapter.device)
-            torch.cuda.empty_cache()
+        free_after_oom(adapter.device)
     stats.oom_retries += 1
     items = batch.items
     log.warning("batch %s: CUDA out of memory with %d rows; retrying it split", batch.key, len(items))
@@ -106,14 +108,32 @@ def submit_with_retry(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache
         return PendingBatch(batch, fields, stats, error=OUT_OF_MEMORY)
 
 
+def free_after_oom(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def sub_batch(batch: Batch, items, ladder) -> Batch:
     return Batch(batch.key, batch.height, batch.width, pick_bucket(ladder, len(items)), tuple(items))
 
 
-def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
-                 stats: RunStats, text_length: int | None) -> PendingBatch:
-    """Queue one planned batch's device work, its text cut to `text_length` tokens where given;
-    nothing here waits for the device."""
+@dataclass
+class Prepared:
+    """A batch's inputs, queued on the device: its conditioning (cut to its text length where given),
+    initial noise and guidance, and the timer that holds their stages."""
+
+    batch: Batch
+    timer: StageTimer
+    cond: dict[str, torch.Tensor]
+    noise: torch.Tensor
+    guidance: torch.Tensor
+
+
+def prepare_batch(adapter: Adapter, prompts: PromptCache, batch: Batch, fields: dict,
+                  text_length: int | None) -> Prepared:
+    """Queue a batch's inputs: the encode and noise stages (mostly host work: tokenizing, seeded
+    draws on the CPU); nothing here waits for the device."""
     items = batch.items
     n = len(items)
     device = adapter.device
@@ -127,17 +147,58 @@ def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, bat
         shape = adapter.latent_shape(batch.height, batch.width)
         noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
         guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
+    return Prepared(batch, timer, cond, noise, guidance)
+
+
+def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
+                 stats: RunStats, text_length: int | None, prepared: Prepared | None = None,
+                 between: Callable[[], None] | None = None) -> PendingBatch:
+    """Queue one planned batch's device work, its text cut to `text_length` tokens where given, from
+    its `prepared` inputs (`prepare_batch` now when None); `between` runs after the denoise is queued
+    and before the decode. Nothing here waits for the device."""
+    p = prepared if prepared is not None else prepare_batch(adapter, prompts, batch, fields, text_length)
+    timer = p.timer
     with timer.stage("denoise"):
-        latents = denoiser.denoise(noise, cond, guidance, batch.height, batch.width, text_length)
+        latents = denoiser.denoise(p.noise, p.cond, p.guidance, batch.height, batch.width, text_length)
+    if between is not None:
+        between()
     with timer.stage("decode"):
         images = adapter.decode(latents)
         finite = torch.isfinite(images).flatten(1).all(1)
         pixels = to_uint8(images)
     pending = PendingBatch(batch, fields, stats, timer, to_host(pixels), to_host(finite))
-    if device.type == "cuda":
+    if adapter.device.type == "cuda":
         pending.done = torch.cuda.Event()
         pending.done.record()
     return pending
+
+
+class Lookahead:
+    """The next batch's inputs, prepared while the device runs this batch's denoise: `prepare` (a
+    submit's `between`) queues them, `take` hands them to that batch's submit. A batch's inputs are
+    the same whenever they are prepared (the same calls, in the same order), so its bytes are too.
+    Out of memory while preparing ahead leaves nothing prepared: the batch prepares its inputs when
+    it runs, under its own retries; counted in the stats' oom_retries."""
+
+    def __init__(self, prepare: Callable[[Batch], Prepared], device: torch.device, stats: RunStats):
+        self._prepare, self._device, self._stats = prepare, device, stats
+        self._ready: Prepared | None = None
+
+    def prepare(self, batch: Batch | None) -> None:
+        self._ready = None
+        if batch is None:
+            return
+        try:
+            self._ready = self._prepare(batch)
+        except torch.OutOfMemoryError:
+            free_after_oom(self._device)
+            self._stats.oom_retries += 1
+            log.warning("batch %s: CUDA out of memory preparing its inputs ahead; they are prepared when it runs",
+                        batch.key)
+
+    def take(self, batch: Batch) -> Prepared | None:
+        ready, self._ready = self._ready, None
+        return ready if ready is not None and ready.batch is batch else None
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

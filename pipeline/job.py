@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -28,7 +29,7 @@ from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choice
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
 from pipeline.denoise import LOOP_REFUSAL, Denoiser, sampler_label
 from pipeline.errors import UserError
-from pipeline.generate import GpuBusy, Inflight, submit_with_retry
+from pipeline.generate import GpuBusy, Inflight, Lookahead, prepare_batch, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
                               process_settings, start_compile_workers, with_attention)
@@ -527,15 +528,18 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
                     output.encode_threads)
     busy = GpuBusy(built.adapter.device)
     inflight = Inflight(runtime.inflight_batches)
+    adapter = built.adapter
+    ahead = Lookahead(lambda b: prepare_batch(adapter, prompts, b, built.fields, lengths[b.key]), adapter.device, stats)
     stats.generate_started = time.perf_counter()
     try:
         with logging_redirect_tqdm(), tqdm(total=sum(len(b.items) for b in todo), unit="img",
                                            disable=not runtime.progress) as bar:
-            for batch in todo:
+            for i, batch in enumerate(todo):
                 bar.set_postfix_str(f"{size_label(batch.height, batch.width)} b{batch.bucket}")
+                following = todo[i + 1] if i + 1 < len(todo) else None
                 busy.begin()
                 pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats,
-                                            lengths[batch.key])
+                                            lengths[batch.key], ahead.take(batch), partial(ahead.prepare, following))
                 busy.end()
                 writer.submit(pending)
                 inflight.admit(pending)

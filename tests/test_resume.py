@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, cpu_job, rows, write_manifest
+from pipeline import generate as generate_module
 from pipeline import job as job_module
 from pipeline import planner
 from pipeline import writer as writer_module
@@ -204,6 +205,31 @@ def test_row_that_never_fits_is_marked_failed(tmp_path, monkeypatch):
     failed = pq.read_table(tmp_path / "out" / "failed.parquet").to_pylist()
     assert [r["id"] for r in failed] == ["a", "b"]
     assert all(r["status"] == "failed" and "out of memory" in r["error"] for r in failed)
+
+
+def test_next_batch_is_prepared_before_this_batchs_decode(tmp_path, monkeypatch):
+    """A batch's inputs (tokens, noise) are prepared while the batch before it denoises, before its
+    decode is queued; out of memory there loses nothing: the batch prepares them again when it runs."""
+    events = []
+    conditioning, decode = generate_module.conditioning, PixArtAdapter.decode
+
+    def recorded_conditioning(prompts, positive, *args):
+        events.append(("prepare", positive[0][-1]))
+        if len(events) == 2:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return conditioning(prompts, positive, *args)
+
+    def recorded_decode(self, latents):
+        events.append(("decode", latents.shape[-1] * 8))
+        return decode(self, latents)
+
+    monkeypatch.setattr(generate_module, "conditioning", recorded_conditioning)
+    monkeypatch.setattr(PixArtAdapter, "decode", recorded_decode)
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 96, 64, 2), ("c", 128, 64, 3)))
+    report = run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1]"))
+    assert (report["images"]["ok"], report["oom_retries"]) == (3, 1)
+    assert events == [("prepare", "a"), ("prepare", "b"), ("decode", 64),  # b's first preparation ran out of memory
+                      ("prepare", "b"), ("prepare", "c"), ("decode", 96), ("decode", 128)]
 
 
 def test_disk_full_stops_the_job_and_keeps_what_was_committed(tmp_path, monkeypatch):
