@@ -120,10 +120,11 @@ def sub_batch(batch: Batch, items, ladder) -> Batch:
 
 @dataclass
 class Prepared:
-    """A batch's inputs, queued on the device: its conditioning (cut to its text length where given),
-    initial noise and guidance, and the timer that holds their stages."""
+    """A batch's inputs, queued on the device: its conditioning (cut to `text_length` tokens where
+    given), initial noise and guidance, and the timer that holds their stages."""
 
     batch: Batch
+    text_length: int | None
     timer: StageTimer
     cond: dict[str, torch.Tensor]
     noise: torch.Tensor
@@ -147,7 +148,7 @@ def prepare_batch(adapter: Adapter, prompts: PromptCache, batch: Batch, fields: 
         shape = adapter.latent_shape(batch.height, batch.width)
         noise = batch_noise([it.seed for it in items], shape, adapter.dtype, device)
         guidance = torch.full((n,), fields["guidance_scale"], dtype=torch.float32, device=device)
-    return Prepared(batch, timer, cond, noise, guidance)
+    return Prepared(batch, text_length, timer, cond, noise, guidance)
 
 
 def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, batch: Batch, fields: dict,
@@ -159,7 +160,7 @@ def submit_batch(adapter: Adapter, denoiser: Denoiser, prompts: PromptCache, bat
     p = prepared if prepared is not None else prepare_batch(adapter, prompts, batch, fields, text_length)
     timer = p.timer
     with timer.stage("denoise"):
-        latents = denoiser.denoise(p.noise, p.cond, p.guidance, batch.height, batch.width, text_length)
+        latents = denoiser.denoise(p.noise, p.cond, p.guidance, batch.height, batch.width, p.text_length)
     if between is not None:
         between()
     with timer.stage("decode"):

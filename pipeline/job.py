@@ -519,8 +519,8 @@ def capture(denoiser: Denoiser, todo: list[Batch], mode: str, lengths: dict[str,
 
 
 def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[Batch], lengths: dict[str, int | None],
-             extras: pa.Schema,
-             output: OutputConfig, runtime: RuntimeConfig, out_dir: Path, stats: RunStats, stop: StopSignals) -> Generated:
+             extras: pa.Schema, output: OutputConfig, runtime: RuntimeConfig, out_dir: Path, stats: RunStats,
+             stop: StopSignals) -> Generated:
     """Every batch of `todo` queued on the device and committed by the writer thread, which writes
     this shard's shard files as their batches complete."""
     writer = Writer(out_dir, Output(output.layout, encoding_of(output), row_schema(extras, embeds(output.layout))),

@@ -244,7 +244,8 @@ def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] 
                   device_checks: bool = True) -> dict:
     """Set the kernels of this adapter, in order: the per-batch text length, the attention processor,
     our own blocks or diffusers' fused projections and GELUs; then observe which attention backend
-    serves its calls (one eager CFG forward, 1 row, at `probe_size`); then compile (for `shapes` shapes) and the decoder -> stats.json's `kernels`.
+    serves its calls (one eager CFG forward, 1 row, at `probe_size`); then compile (for `shapes`
+    shapes) and the decoder -> stats.json's `kernels`.
     `device_checks` False: what needs a GPU runs its CPU reference (a benchmark's smoke run)."""
     from pipeline.blocks import own_blocks
 
