@@ -12,6 +12,7 @@ whether graphs are on.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ def nbytes(output: Output) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 while dynamo was never imported):
+    a warm-up pass that leaves it unchanged compiled nothing."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
+
+
 def precision_flags() -> dict[str, bool]:
     return {
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
@@ -89,9 +97,11 @@ class BCGEngine:
         self.graphs: dict[tuple[ShapeKey, int], Graph] = {}
         self._missed: set[tuple[ShapeKey, int]] = set()
         self._needs: dict[tuple[ShapeKey, int], GraphNeed] = {}
+        self._warmups: dict[tuple[ShapeKey, int], tuple[float, int]] = {}  # its passes' seconds, their count
         self._force_eager = False
         self._flags: dict[str, bool] | None = None
         self.pool = None
+        self._stream: torch.cuda.Stream | None = None  # the warm-up passes' side stream, one for all
         if not enabled:
             self._off("bcg.enabled=false")
         elif self.device.type != "cuda":
@@ -147,33 +157,42 @@ class BCGEngine:
 
     @torch.no_grad()
     def _measure(self, key: ShapeKey, bucket: int) -> GraphNeed:
-        """Eager passes on a side stream: warm-up (lazy init, autotuning), then one pass from an
-        empty cache whose peak *reserved* growth is the graph's need: segments as the allocator
-        rounds them, which is what a pool holds (or the allocated peak, when the pass fits in
-        segments that were already reserved)."""
+        """Up to `warmup` eager passes on the engine's side stream, each from an empty cache, the
+        last one's peak *reserved* growth being the graph's need: segments as the allocator rounds
+        them, which is what a pool holds (or the allocated peak, when the pass fits in segments that
+        were already reserved). The first pass at a shape does the lazy initialisation and any
+        compiling; a pass that compiled nothing (a warm cache, a plan that compiles nothing) already
+        measured what the next would, so the passes stop there (counted in `warmup_passes_skipped`)."""
         inputs = self.static[key].view(bucket)
-        stream = torch.cuda.Stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        passes, began, ran = max(self.warmup, 1), time.perf_counter(), 0
         with torch.cuda.stream(stream):
-            for i in range(max(self.warmup - 1, 0)):
-                start = time.perf_counter()
-                self.fn(inputs)
+            for i in range(passes):
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                self._peaks_seen = self.peak_memory()
+                torch.cuda.reset_peak_memory_stats(self.device)
+                reserved = torch.cuda.memory_reserved(self.device)
+                allocated = torch.cuda.memory_allocated(self.device)
+                compiled, start = compiled_graphs(), time.perf_counter()
+                out = self.fn(inputs)
+                torch.cuda.synchronize(self.device)
                 if i == 0:  # the first pass at a shape: lazy init, autotuning, compilation
-                    torch.cuda.synchronize(self.device)
                     self.metrics.first_pass_s += time.perf_counter() - start
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            self._peaks_seen = self.peak_memory()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            reserved = torch.cuda.memory_reserved(self.device)
-            allocated = torch.cuda.memory_allocated(self.device)
-            out = self.fn(inputs)
-            torch.cuda.synchronize(self.device)
-            peak = max(
-                torch.cuda.max_memory_reserved(self.device) - reserved,
-                torch.cuda.max_memory_allocated(self.device) - allocated,
-            )
+                peak = max(
+                    torch.cuda.max_memory_reserved(self.device) - reserved,
+                    torch.cuda.max_memory_allocated(self.device) - allocated,
+                )
+                self.metrics.warmup_passes += 1
+                ran += 1
+                if compiled_graphs() == compiled:
+                    self.metrics.warmup_passes_skipped += passes - i - 1
+                    break
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._warmups[(key, bucket)] = (time.perf_counter() - began, ran)
         out_bytes = nbytes(out)
         return GraphNeed(key, bucket, peak_bytes=max(peak, out_bytes), output_bytes=out_bytes)
 
@@ -204,11 +223,13 @@ class BCGEngine:
         torch.cuda.synchronize(self.device)
         self.graphs[(key, bucket)] = Graph(graph, output)
         need = self._needs.get((key, bucket))
+        warmup_s, passes = self._warmups.get((key, bucket), (0.0, 0))
         self.metrics.graphs[name] = GraphRecord(
             list(key), bucket,
             capture_s=time.perf_counter() - start,
             pool_bytes_added=torch.cuda.memory_reserved(self.device) - before,
             eager_peak_bytes=need.peak_bytes if need else 0,
+            warmup_s=round(warmup_s, 4), warmup_passes=passes,
         )
 
     def need(self, key: ShapeKey, bucket: int) -> GraphNeed | None:

@@ -13,6 +13,8 @@ class GraphRecord:
     capture_s: float = 0.0
     pool_bytes_added: int = 0
     eager_peak_bytes: int = 0  # measured before capture; what the pool prediction is built from
+    warmup_s: float = 0.0  # its warm-up passes
+    warmup_passes: int = 0
     replays: int = 0
 
 
@@ -32,6 +34,8 @@ class EngineMetrics:
     dropped: list[str] = field(default_factory=list)
     warmup_s: float = 0.0  # warm-up and measuring passes before capture
     first_pass_s: float = 0.0  # of which the first pass at each shape (where torch.compile compiles)
+    warmup_passes: int = 0  # eager passes run before capture, all graphs
+    warmup_passes_skipped: int = 0  # of bcg.warmup's, those not run: the pass before compiled nothing
     predicted_pool_bytes: int = 0
     predicted_separate_pools_bytes: int = 0  # the same graphs with a pool each, for comparison
     pool_bytes: int = 0
@@ -69,6 +73,8 @@ class EngineReport:
     capture_s: float
     warmup_s: float
     first_pass_s: float
+    warmup_passes: int
+    warmup_passes_skipped: int
     predicted_pool_bytes: int
     predicted_separate_pools_bytes: int
     pool_bytes: int

@@ -41,7 +41,7 @@ from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, ext
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter
-from pipeline.planner import Batch, Plan, buckets_by_shape, size_label
+from pipeline.planner import Batch, Plan, buckets_by_shape, run_order, size_label
 from pipeline.model_info import model_family, sampler_defaults
 from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
@@ -57,7 +57,7 @@ from pipeline.committed import Committed
 from pipeline.encoding import encoding_of
 from pipeline.layouts import STAGING_DIR, embeds
 from pipeline.shard_files import group_batches
-from pipeline.sharding import ShardSpec, plan_shard
+from pipeline.sharding import ShardSpec, batch_cost, plan_shard
 from pipeline.store_sync import Mirror
 from pipeline.writer import IMAGES_DIR, SHARDS_DIR, Output, Writer, reserved_columns, row_schema
 
@@ -183,6 +183,7 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         # 10. bcg.ladder=auto with no saved choice: calibrate one step of this scope, choose, plan (the
         #     choice is saved so that a resumed job plans the same), and the batches left of that plan.
         ladder, planned, todo = calibrated_plan(ladder, planned, todo, cfg, manifest, bad, built, setup)
+        todo = batch_order(todo, cfg)  # the order they run in, which changes no image
         stats.startup.lap("calibrate")
         stop.check()
 
@@ -509,6 +510,13 @@ def text_lengths(built: Built, todo: list[Batch]) -> dict[str, int | None]:
         built.kernels["text_lengths"] = {str(n): counts[n] for n in sorted(counts)}
         log.info("text lengths (tokens: batches): %s", built.kernels["text_lengths"])
     return lengths
+
+
+def batch_order(todo: list[Batch], cfg: JobConfig) -> list[Batch]:
+    """This process's batches as it runs them (`pipeline.planner.run_order`), the cheapest by the
+    sharding's cost model."""
+    pixels = attention_pixels(cfg.model)
+    return run_order(todo, lambda b: batch_cost(b, cfg.bcg.batch_overhead_rows, pixels))
 
 
 def capture(denoiser: Denoiser, todo: list[Batch], mode: str, lengths: dict[str, int | None]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from bcg.buckets import linear_costs, parse_ladder, pick_bucket, split_sizes
 from pipeline.manifest import Item
@@ -97,6 +97,23 @@ class Plan:
     def resolutions(self) -> list[tuple[int, int]]:
         """Distinct (height, width), ascending."""
         return sorted({(b.height, b.width) for b in self.batches})
+
+
+def run_order(batches: Sequence[Batch], cost: Callable[[Batch], float]) -> list[Batch]:
+    """The order a process runs its batches in: the cheapest first (its images are committed
+    within seconds of the warm-up, not after a full batch of the largest resolution), the one with
+    the fewest pixels to write last (what the writer still has to encode once the device is done),
+    the others in plan order between them. A batch's rows, bucket and key are the plan's, so its
+    images are the same whatever runs before it. Ties keep plan order: the earliest first, the latest
+    last (batches all alike run in plan order)."""
+    rest = list(range(len(batches)))
+    if len(rest) < 3:
+        return sorted(batches, key=lambda b: cost(b))  # stable: plan order on ties
+    first = min(rest, key=lambda i: (cost(batches[i]), i))
+    rest.remove(first)
+    last = min(rest, key=lambda i: (batches[i].size * batches[i].height * batches[i].width, -i))
+    rest.remove(last)
+    return [batches[i] for i in (first, *rest, last)]
 
 
 def buckets_by_shape(batches: Iterable[Batch], ladder: Sequence[int],

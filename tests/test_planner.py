@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from bcg.buckets import linear_costs, parse_ladder, split_sizes
 from pipeline.manifest import Item
-from pipeline.planner import Batch, Plan, buckets_by_shape, make_plan
+from pipeline.planner import Batch, Plan, buckets_by_shape, make_plan, run_order
 
 POW2_8 = (1, 2, 4, 8)
 
@@ -119,6 +119,17 @@ def test_bad_ladder_and_overhead_are_named():
         make_plan([item(0)], [0, 2])
     with pytest.raises(ValueError, match="bcg.batch_overhead_rows=-1"):
         make_plan([item(0)], POW2_8, batch_overhead_rows=-1)
+
+
+def test_cheapest_batch_runs_first_the_fewest_pixels_last_the_rest_in_plan_order():
+    items = [item(k, 64, 64) for k in range(8)] + [item(8, 96, 96)] + [item(9 + k, 128, 128) for k in range(2)]
+    plan = make_plan(items, [1, 2, 4])  # 64 px: 4, 4; 96 px: 1; 128 px: 2
+    cost = lambda b: (b.bucket + 1) * b.height * b.width  # noqa: E731
+    order = run_order(plan.batches, cost)
+    assert [b.key for b in order] == [plan.batches[i].key for i in (2, 0, 3, 1)]
+    assert ids(order[0]) == ["img-00008"] and ids(order[-1]) == [f"img-{k:05d}" for k in range(4, 8)]
+    assert run_order([], cost) == [] and run_order(plan.batches[2:], cost) == list(plan.batches[2:])
+    assert run_order(plan.batches[1:3], cost) == [plan.batches[2], plan.batches[1]]
 
 
 def test_no_items_no_batches():

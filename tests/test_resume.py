@@ -207,9 +207,11 @@ def test_row_that_never_fits_is_marked_failed(tmp_path, monkeypatch):
     assert all(r["status"] == "failed" and "out of memory" in r["error"] for r in failed)
 
 
-def test_next_batch_is_prepared_before_this_batchs_decode(tmp_path, monkeypatch):
-    """A batch's inputs (tokens, noise) are prepared while the batch before it denoises, before its
-    decode is queued; out of memory there loses nothing: the batch prepares them again when it runs."""
+def test_cheapest_batch_runs_first_and_the_next_is_prepared_before_this_batchs_decode(tmp_path, monkeypatch):
+    """The job runs its cheapest batch first (c alone; the plan's first batch is a and b) and the one
+    with the fewest pixels to write last (a and b, 64 x 64 each, against d's 128 x 128). A batch's inputs (tokens, noise) are prepared while the batch before it
+    denoises, before its decode is queued; out of memory there loses nothing: the batch prepares
+    them again when it runs."""
     events = []
     conditioning, decode = generate_module.conditioning, PixArtAdapter.decode
 
@@ -220,16 +222,17 @@ def test_next_batch_is_prepared_before_this_batchs_decode(tmp_path, monkeypatch)
         return conditioning(prompts, positive, *args)
 
     def recorded_decode(self, latents):
-        events.append(("decode", latents.shape[-1] * 8))
+        events.append(("decode", latents.shape[0], latents.shape[-1] * 8))
         return decode(self, latents)
 
     monkeypatch.setattr(generate_module, "conditioning", recorded_conditioning)
     monkeypatch.setattr(PixArtAdapter, "decode", recorded_decode)
-    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 96, 64, 2), ("c", 128, 64, 3)))
-    report = run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1]"))
-    assert (report["images"]["ok"], report["oom_retries"]) == (3, 1)
-    assert events == [("prepare", "a"), ("prepare", "b"), ("decode", 64),  # b's first preparation ran out of memory
-                      ("prepare", "b"), ("prepare", "c"), ("decode", 96), ("decode", 128)]
+    manifest = write_manifest(tmp_path / "m.parquet",
+                              rows(("a", 64, 64, 1), ("b", 64, 64, 2), ("c", 64, 64, 3), ("d", 128, 128, 4)))
+    report = run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1,2]"))
+    assert (report["images"]["ok"], report["oom_retries"]) == (4, 1)
+    assert events == [("prepare", "c"), ("prepare", "d"), ("decode", 1, 64),  # d's first preparation ran out of memory
+                      ("prepare", "d"), ("prepare", "a"), ("decode", 1, 128), ("decode", 2, 64)]
 
 
 def test_disk_full_stops_the_job_and_keeps_what_was_committed(tmp_path, monkeypatch):
