@@ -214,11 +214,11 @@ def conditioning(prompts: PromptCache, positive: list[str], negative: list[str |
                  cfg: bool) -> dict[str, torch.Tensor]:
     """Each tensor [n, 2, ...] for CFG: index 0 the negative prompt ("" when the row has none, as
     diffusers), index 1 the prompt; [n, 1, ...], the prompt alone, without CFG."""
-    pos = prompts.get(positive)
     if not cfg:
-        return {name: t.unsqueeze(1) for name, t in pos.items()}
-    neg = prompts.get([negative_or_default(p) for p in negative])
-    return {name: torch.stack([neg[name], pos[name]], 1) for name in pos}
+        return {name: t.unsqueeze(1) for name, t in prompts.get(positive).items()}
+    n = len(positive)
+    both = prompts.get([negative_or_default(p) for p in negative] + positive)  # one text length for both
+    return {name: torch.stack([t[:n], t[n:]], 1) for name, t in both.items()}
 
 
 def shard_row(item, batch: Batch, fields: dict, error: str | None) -> dict:

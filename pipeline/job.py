@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 import torch
@@ -197,7 +197,7 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         stop.check()
 
         # 13. Graphs for every resolution this shard runs, before its first batch; the device memory then.
-        lengths = text_lengths(built, todo)
+        lengths = text_lengths(built, todo, prompts)
         capture(built.denoiser, todo, cfg.bcg.capture, lengths)
         stats.startup.lap("graphs")
         built.memory.denoise(built.adapter.holds_text_encoders)
@@ -500,11 +500,11 @@ def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mir
     return PartReport.read(part_path(out_dir, shard.name)).to_dict()
 
 
-def text_lengths(built: Built, todo: list[Batch]) -> dict[str, int | None]:
-    """Batch key -> the text length it runs at (kernels.trim_text_padding: from its own texts; None:
-    the model's fixed length); the lengths' batch counts go in stats.json's kernels."""
-    adapter = built.adapter
-    lengths = {b.key: adapter.text_length_for(planned_prompts([b], adapter.uses_cfg)) for b in todo}
+def text_lengths(built: Built, todo: list[Batch], prompts: PromptCache) -> dict[str, int | None]:
+    """Batch key -> the text length it runs at (kernels.trim_text_padding: the longest its texts are
+    encoded at; None: the model's fixed length); the lengths' batch counts go in stats.json's kernels."""
+    lengths = {b.key: longest(prompts.encode_length(t) for t in planned_prompts([b], built.adapter.uses_cfg))
+               for b in todo}
     counts = Counter(n for n in lengths.values() if n is not None)
     if counts:
         built.kernels["text_lengths"] = {str(n): counts[n] for n in sorted(counts)}
@@ -517,6 +517,12 @@ def batch_order(todo: list[Batch], cfg: JobConfig) -> list[Batch]:
     sharding's cost model."""
     pixels = attention_pixels(cfg.model)
     return run_order(todo, lambda b: batch_cost(b, cfg.bcg.batch_overhead_rows, pixels))
+
+
+def longest(lengths: Iterable[int | None]) -> int | None:
+    """The longest of texts' lengths; None where they have none (the family's one length)."""
+    found = list(lengths)
+    return None if None in found else max(found)
 
 
 def capture(denoiser: Denoiser, todo: list[Batch], mode: str, lengths: dict[str, int | None]) -> None:

@@ -1,7 +1,10 @@
 """Prompt encoding ahead of denoising, in fixed-size chunks, with a bounded cache keyed by prompt text.
 
 The text encoder always sees chunks of exactly `chunk` prompts (short chunks are padded with the
-empty prompt), so a prompt's embedding is the same whichever prompts it was encoded with. Given
+empty prompt), all of one text length (`lengths`: the family's per-prompt lengths, with
+kernels.trim_text_padding; else one length), so a prompt's embedding is the same whichever prompts
+it was encoded with. Rows of different lengths asked for together are padded with zeros (mask 0) to
+the longest. Given
 the order in which prompts will be asked for (`schedule`: the plan's batches, negative prompts
 included), a miss encodes the prompts asked for plus the next ones not yet encoded, up to a full
 chunk: the text encoder runs on full chunks, ahead of the batches that need them, and a prompt
@@ -21,8 +24,10 @@ from pipeline.errors import UserError
 from pipeline.models.base import Adapter
 from pipeline.transfer import to_device
 
-# prompts (N) -> conditioning tensors by name, each [N, ...]
-EncodeFn = Callable[[list[str]], dict[str, torch.Tensor]]
+# prompts (N)[, their text length] -> conditioning tensors by name, each [N, ...]
+EncodeFn = Callable[..., dict[str, torch.Tensor]]
+# texts -> the text length each is encoded at (None: all at the family's one length)
+LengthsFn = Callable[[Sequence[str]], "list[int] | None"]
 DEFAULT_NEGATIVE = ""  # a row without a negative prompt, as diffusers
 
 log = logging.getLogger(__name__)
@@ -40,9 +45,11 @@ class PromptCache:
         capacity: int,
         store: torch.device | None = None,
         out: torch.device | None = None,
+        lengths: LengthsFn | None = None,
     ):
         """`store`: where cached tensors live (None: where `encode` puts them); `out`: where `get`
-        returns them (None: where they are stored)."""
+        returns them (None: where they are stored); `lengths`: the text length of each prompt (None:
+        one for all)."""
         if chunk < 1 or capacity < 1:
             raise UserError(f"prompt chunk ({chunk}) and cache capacity ({capacity}) must be >= 1")
         self.encode = encode
@@ -50,21 +57,45 @@ class PromptCache:
         self.capacity = capacity
         self.store = store
         self.out = out
+        self.lengths = lengths
+        self.length: dict[str, int | None] = {}  # prompt -> its text length, once asked
         self.cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
-        self.upcoming: deque[str] = deque()
+        self.upcoming: dict[int | None, deque[str]] = {}  # per text length
         self.hits = 0
         self.encoded = 0
         self.calls = 0
 
+    def encode_length(self, prompt: str) -> int | None:
+        """The text tokens `prompt` is encoded at (None: the family's one length)."""
+        if prompt not in self.length:
+            self._learn([prompt])
+        return self.length[prompt]
+
+    def _learn(self, prompts: Sequence[str]) -> None:
+        new = [p for p in dict.fromkeys(prompts) if p not in self.length]
+        if not new:
+            return
+        found = self.lengths(new) if self.lengths is not None else None
+        self.length.update(zip(new, found if found is not None else [None] * len(new)))
+
+    def _by_length(self, prompts: Iterable[str]) -> dict[int | None, list[str]]:
+        groups: dict[int | None, list[str]] = {}
+        for p in prompts:
+            groups.setdefault(self.encode_length(p), []).append(p)
+        return groups
+
     def schedule(self, prompts: Iterable[str]) -> None:
         """The order prompts will be asked for; misses encode ahead along it."""
-        self.upcoming = deque(dict.fromkeys(prompts))
+        order = list(dict.fromkeys(prompts))
+        self._learn(order)
+        self.upcoming = {length: deque(group) for length, group in self._by_length(order).items()}
 
     def prefetch(self, prompts: Iterable[str]) -> None:
         """Encode every prompt not cached yet, now, in full chunks."""
         missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
-        for start in range(0, len(missing), self.chunk):
-            self._encode_chunk(missing[start : start + self.chunk])
+        for length, group in self._by_length(missing).items():
+            for start in range(0, len(group), self.chunk):
+                self._encode_chunk(group[start : start + self.chunk], length)
 
     def get(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """prompts (N) -> conditioning tensors by name, each [N, ...]."""
@@ -77,23 +108,27 @@ class PromptCache:
             self.cache.move_to_end(p)
         while len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
-        stacked = {name: torch.stack([r[name] for r in rows]) for name in rows[0]}
+        stacked = {name: stack_padded([r[name] for r in rows]) for name in rows[0]}
         if self.out is not None:
             stacked = {name: to_device(t, self.out) for name, t in stacked.items()}
         return stacked
 
     def _fill(self, missing: list[str]) -> list[str]:
-        """`missing` plus upcoming uncached prompts up to a whole number of chunks."""
+        """`missing` plus, per text length, upcoming uncached prompts of it up to a whole number of chunks."""
         wanted = dict.fromkeys(missing)
-        room = min(self.capacity, -(-len(wanted) // self.chunk) * self.chunk)
-        while self.upcoming and len(wanted) < room:
-            p = self.upcoming.popleft()
-            if p not in self.cache:
-                wanted[p] = None
+        for length, group in self._by_length(missing).items():
+            room = min(self.capacity, -(-len(group) // self.chunk) * self.chunk) - len(group)
+            upcoming = self.upcoming.get(length, deque())
+            while upcoming and room > 0:
+                p = upcoming.popleft()
+                if p not in self.cache and p not in wanted:
+                    wanted[p] = None
+                    room -= 1
         return list(wanted)
 
-    def _encode_chunk(self, prompts: list[str]) -> None:
-        encoded = self.encode(prompts + [DEFAULT_NEGATIVE] * (self.chunk - len(prompts)))
+    def _encode_chunk(self, prompts: list[str], length: int | None) -> None:
+        padded = prompts + [DEFAULT_NEGATIVE] * (self.chunk - len(prompts))
+        encoded = self.encode(padded) if length is None else self.encode(padded, length)
         self.calls += 1
         for i, p in enumerate(prompts):
             row = {name: t[i] for name, t in encoded.items()}
@@ -101,6 +136,15 @@ class PromptCache:
                 row = {name: t.to(self.store) for name, t in row.items()}
             self.cache[p] = row
         self.encoded += len(prompts)
+
+
+def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows stacked, each padded with zeros along its first dimension to the longest (text tokens:
+    an embedding's padding positions, which a zero mask hides)."""
+    longest = max(r.shape[0] for r in rows) if rows[0].dim() else 0
+    if all(r.dim() == 0 or r.shape[0] == longest for r in rows):
+        return torch.stack(rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, longest - r.shape[0])) for r in rows])
 
 
 def planned_prompts(batches: Iterable, negatives: bool = True) -> list[str]:
@@ -120,11 +164,13 @@ def prompt_cache(adapter: Adapter, batches: list, chunk: int, capacity: int, off
     has none)."""
     order = planned_prompts(batches, adapter.uses_cfg)
     if not offload:
-        cache = PromptCache(adapter.encode, chunk, capacity)
+        cache = PromptCache(adapter.encode, chunk, capacity, lengths=adapter.prompt_lengths)
         cache.schedule(order)
         return cache
     cpu = torch.device("cpu")
-    cache = PromptCache(adapter.encode, chunk, max(capacity, len(set(order))), store=cpu, out=adapter.device)
+    cache = PromptCache(adapter.encode, chunk, max(capacity, len(set(order))), store=cpu, out=adapter.device,
+                        lengths=adapter.prompt_lengths)
+    cache.schedule(order)  # learns every prompt's length before the tokenizer goes with the text encoder
     cache.prefetch(order)
     adapter.release_text_encoders()
     log.info(

@@ -249,6 +249,35 @@ def test_prompt_cache_encodes_ahead_in_full_chunks_and_each_prompt_once():
     assert cache.encoded == 12 and cache.hits == 5 * 4 - 8  # misses: 4 (first batch), then 2 twice (the rest came ahead)
 
 
+class TextEncoder:
+    """Per prompt, `length` tokens: its characters' codes, then -1 (the encoder's padding output), and
+    its mask; records each call's prompts and length."""
+
+    def __init__(self):
+        self.calls: list[tuple[list[str], int]] = []
+
+    def __call__(self, prompts: list[str], length: int) -> dict[str, torch.Tensor]:
+        self.calls.append((list(prompts), length))
+        codes = [[float(ord(c)) for c in p[:length]] + [-1.0] * (length - len(p[:length])) for p in prompts]
+        return {"emb": torch.tensor(codes).unsqueeze(-1), "mask": (torch.tensor(codes) >= 0).long()}
+
+
+def test_prompt_cache_encodes_each_prompt_at_its_own_length_in_chunks_of_one_length():
+    """With per-prompt text lengths (kernels.trim_text_padding), the encoder sees full chunks of
+    prompts of one length; rows of several lengths asked together are padded with zeros, mask 0."""
+    encoder = TextEncoder()
+    lengths = lambda texts: [4 * -(-max(len(t), 1) // 4) for t in texts]  # noqa: E731
+    cache = PromptCache(encoder, chunk=2, capacity=64, lengths=lengths)
+    cache.schedule(["", "ab", "abcdef", "", "xyz", "uvwxyzab"])
+    got = cache.get(["", "abcdef"])
+    assert encoder.calls == [(["", "ab"], 4), (["abcdef", "uvwxyzab"], 8)]  # each length's next prompts ahead
+    assert got["emb"].shape == (2, 8, 1) and got["mask"].tolist() == [[0] * 8, [1] * 6 + [0] * 2]
+    assert got["emb"][0, :, 0].tolist() == [-1.0] * 4 + [0.0] * 4  # "" encoded at 4, zeros past them
+    assert cache.get(["ab", "xyz"])["emb"].shape == (2, 4, 1)
+    assert encoder.calls[2] == (["xyz", ""], 4)  # the last chunk of length 4, padded with ""
+    assert [cache.encode_length(p) for p in ("", "xyz", "uvwxyzab")] == [4, 4, 8]
+
+
 def test_offload_encodes_the_plan_then_releases_the_text_encoder(tmp_path):
     from pipeline.planner import make_plan
     from pipeline.manifest import read_manifest

@@ -1,7 +1,8 @@
-"""kernels.trim_text_padding: each batch's text cut to its own longest prompt (rounded up), not
-max_sequence_length. For families that mask the padding out of cross-attention, the images are the
-untrimmed ones up to rounding, and cross-attention does less work. An image is then a function of
-its batch's texts, which the plan fixes: the same in a resumed job, in a shard, in another process."""
+"""kernels.trim_text_padding: each prompt encoded at its own length and each batch's text cut to its
+longest prompt (rounded up), not max_sequence_length. For families that mask the padding out of
+cross-attention, the images are the untrimmed ones up to rounding, and the text encoder and
+cross-attention do less work. An image is then a function of its batch's texts, which the plan
+fixes: the same in a resumed job, in a shard, in another process."""
 
 from __future__ import annotations
 

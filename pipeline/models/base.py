@@ -8,7 +8,7 @@ one file in `conf/model/` and one line in `pipeline.models.FAMILIES`.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -49,7 +49,12 @@ class Adapter(Protocol):
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """prompts (N) -> conditioning tensors by name, each [N, ...] on `device`. Row i depends on
-        prompt i only. "" is the default negative prompt (as diffusers)."""
+        prompt i only. "" is the default negative prompt (as diffusers). A family whose
+        `prompt_lengths` gives lengths takes one of them as a second argument: the text tokens."""
+
+    def prompt_lengths(self, texts: Sequence[str]) -> list[int] | None:
+        """The text tokens each text is encoded at; None: all at the family's fixed length (most
+        families)."""
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """Per-row inputs that depend on the image size alone (PixArt-Alpha's resolution and aspect
@@ -174,6 +179,9 @@ class TransformerVAE:
         return {}
 
     def text_length_for(self, texts: Iterable[str]) -> int | None:
+        return None
+
+    def prompt_lengths(self, texts: Sequence[str]) -> list[int] | None:
         return None
 
     def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ decode scaling. So the same weights, prompts and seeds give the same images.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from diffusers import AutoencoderKL, PixArtTransformer2DModel
@@ -78,36 +78,51 @@ class PixArtAdapter(TransformerVAE):
         return self.transformer.config.caption_channels
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """prompts (N) -> {"emb": [N, L, D] in the model dtype, "mask": [N, L] int64}."""
+    def encode(self, prompts: list[str], length: int | None = None) -> dict[str, torch.Tensor]:
+        """prompts (N) -> {"emb": [N, L, D] in the model dtype, "mask": [N, L] int64}, L = `length`
+        tokens (None: max_sequence_length; a prompt_lengths' length, with kernels.trim_text_padding)."""
         if self.text_encoder is None:
             raise RuntimeError(released_message(self.name))
         text = clean_prompts(prompts)
-        tokens = pad_tokens(self.tokenizer, text, self.max_sequence_length)
+        tokens = pad_tokens(self.tokenizer, text, length or self.max_sequence_length)
         mask = to_device(tokens.attention_mask, self.device)
         encoder_device = self.text_encoder.device
         emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]
         return {"emb": emb.to(self.device, self.dtype), "mask": mask}
 
-    def text_length_for(self, texts: Iterable[str]) -> int | None:
-        """The text length a batch with these texts (its prompts and negative prompts) runs at, with
-        kernels.trim_text_padding: their longest (special tokens included) rounded up to
-        `text_multiple`, at most max_sequence_length; None when off (every batch at
-        max_sequence_length). T5 still encodes every prompt at max_sequence_length; the batch's
-        transformer sees the first tokens only, all padding beyond them, which cross-attention masks
-        out. So an image is the untrimmed one up to rounding, and a function of its batch's texts."""
+    def prompt_lengths(self, texts: Sequence[str]) -> list[int] | None:
+        """With kernels.trim_text_padding, the tokens each text is encoded at: its own (special tokens
+        included) rounded up to `text_multiple`, at most max_sequence_length; None when off (every
+        text at max_sequence_length). T5 encodes each prompt at its own length (in chunks of prompts of
+        one length: `pipeline.prompts`), whose tokens past the prompt's are the padding that
+        cross-attention masks out, so its embedding is a function of the prompt alone."""
         if self.text_multiple is None:
             return None
         if self.tokenizer is None:
             raise RuntimeError(released_message(self.name))
-        unique = list(dict.fromkeys(clean_prompts(texts)))  # as encode tokenizes them, unpadded: the mask's ones
-        ids = self.tokenizer(unique, truncation=True, max_length=self.max_sequence_length, add_special_tokens=True)["input_ids"]
-        longest = max(len(row) for row in ids)
-        return min(-(-longest // self.text_multiple) * self.text_multiple, self.max_sequence_length)
+        # as encode tokenizes them, unpadded: the mask's ones
+        ids = self.tokenizer(clean_prompts(list(texts)), truncation=True, max_length=self.max_sequence_length,
+                             add_special_tokens=True)["input_ids"]
+        return [min(-(-len(row) // self.text_multiple) * self.text_multiple, self.max_sequence_length) for row in ids]
+
+    def text_length_for(self, texts: Iterable[str]) -> int | None:
+        """The text length a batch with these texts (its prompts and negative prompts) runs at: the
+        longest of their `prompt_lengths`; None when off (every batch at max_sequence_length). The
+        batch's transformer sees those tokens, all padding past each prompt's own, which
+        cross-attention masks out: an image is the untrimmed one up to rounding."""
+        lengths = self.prompt_lengths(list(dict.fromkeys(texts)))
+        return None if lengths is None else max(lengths)
 
     def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-        """Conditioning [n, 2, max_sequence_length, ...] -> its first `length` tokens (text_length_for's)."""
-        return {name: t[:, :, :length] if name in ("emb", "mask") else t for name, t in cond.items()}
+        """Conditioning [n, 2, L, ...] -> `length` tokens (text_length_for's): its first ones, or with
+        zeros past L (padding the mask hides; a part of a batch split after running out of memory may
+        hold only shorter texts than its batch)."""
+        def fit(t: torch.Tensor) -> torch.Tensor:
+            if t.shape[2] >= length:
+                return t[:, :, :length]
+            return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 3) + (0, length - t.shape[2]))
+
+        return {name: fit(t) if name in ("emb", "mask") else t for name, t in cond.items()}
 
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """PixArt-Alpha at sample_size 128: resolution [n, 2] = (height, width) and aspect ratio
