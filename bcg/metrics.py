@@ -73,12 +73,12 @@ class EngineReport:
     capture_s: float
     warmup_s: float
     first_pass_s: float
-    warmup_passes: int
-    warmup_passes_skipped: int
     predicted_pool_bytes: int
     predicted_separate_pools_bytes: int
     pool_bytes: int
     static_input_bytes: int
+    warmup_passes: int = 0  # absent from reports written before it was counted
+    warmup_passes_skipped: int = 0
 
     @property
     def largest_pool_bytes(self) -> int:

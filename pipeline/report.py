@@ -276,10 +276,18 @@ def _union(options: tuple, value: Any, source: str, where: str) -> Any:
     options = tuple(o for o in options if o is not type(None))
     if len(options) == 1:
         return _typed(options[0], value, source, where)
-    matching = [o for o in options if isinstance(value, dict) and set(value) == {f.name for f in fields(o)}]
+    matching = [o for o in options if isinstance(value, dict) and _keys_fit(o, set(value))]
     if len(matching) != 1:
         raise ReportError(f"{source}: `{where}` matches none of {[_name(o) for o in options]}")
     return _record(matching[0], value, source, where)
+
+
+def _keys_fit(tp: type, keys: set[str]) -> bool:
+    """Whether a record of `tp` can hold exactly these keys: every field without a default, and no
+    key it lacks."""
+    names = {f.name for f in fields(tp)}
+    required = {f.name for f in fields(tp) if f.default is MISSING and f.default_factory is MISSING}
+    return required <= keys <= names
 
 
 def _name(tp: Any) -> str:

@@ -98,6 +98,16 @@ def test_a_report_written_before_gpu_memory_existed_reads_as_none():
     assert old.gpu_memory is None and [s.gpu_memory for s in old.shards] == [None, None]
 
 
+def test_a_part_written_before_warmup_passes_were_counted_reads_with_none_counted():
+    written = json.loads(part().to_json())
+    for key in ("warmup_passes", "warmup_passes_skipped"):
+        del written["bcg"][key]
+    for graph in written["bcg"]["graphs"]:
+        del graph["warmup_s"], graph["warmup_passes"]
+    old = PartReport.from_dict(written, "old part")
+    assert (old.bcg.warmup_passes, old.bcg.warmup_passes_skipped, old.bcg.graphs[0].warmup_passes) == (0, 0, 0)
+
+
 def test_merge_refuses_a_part_written_before_the_schema_naming_it(tmp_path):
     a, b = two_shards()
     (tmp_path / PARTS_DIR).mkdir()
