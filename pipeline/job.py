@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import torch
@@ -40,7 +40,7 @@ from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
-from pipeline.models.base import Adapter
+from pipeline.models.base import Adapter, batch_text_length
 from pipeline.planner import Batch, Plan, buckets_by_shape, run_order, size_label
 from pipeline.model_info import model_family, sampler_defaults
 from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
@@ -503,7 +503,7 @@ def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mir
 def text_lengths(built: Built, todo: list[Batch], prompts: PromptCache) -> dict[str, int | None]:
     """Batch key -> the text length it runs at (kernels.trim_text_padding: the longest its texts are
     encoded at; None: the model's fixed length); the lengths' batch counts go in stats.json's kernels."""
-    lengths = {b.key: longest(prompts.encode_length(t) for t in planned_prompts([b], built.adapter.uses_cfg))
+    lengths = {b.key: batch_text_length(prompts.encode_length(t) for t in planned_prompts([b], built.adapter.uses_cfg))
                for b in todo}
     counts = Counter(n for n in lengths.values() if n is not None)
     if counts:
@@ -517,12 +517,6 @@ def batch_order(todo: list[Batch], cfg: JobConfig) -> list[Batch]:
     sharding's cost model."""
     pixels = attention_pixels(cfg.model)
     return run_order(todo, lambda b: batch_cost(b, cfg.bcg.batch_overhead_rows, pixels))
-
-
-def longest(lengths: Iterable[int | None]) -> int | None:
-    """The longest of texts' lengths; None where they have none (the family's one length)."""
-    found = list(lengths)
-    return None if None in found else max(found)
 
 
 def capture(denoiser: Denoiser, todo: list[Batch], mode: str, lengths: dict[str, int | None]) -> None:

@@ -108,7 +108,7 @@ def run_order(batches: Sequence[Batch], cost: Callable[[Batch], float]) -> list[
     last (batches all alike run in plan order)."""
     rest = list(range(len(batches)))
     if len(rest) < 3:
-        return sorted(batches, key=lambda b: cost(b))  # stable: plan order on ties
+        return sorted(batches, key=cost)  # stable: plan order on ties
     first = min(rest, key=lambda i: (cost(batches[i]), i))
     rest.remove(first)
     last = min(rest, key=lambda i: (batches[i].size * batches[i].height * batches[i].width, -i))

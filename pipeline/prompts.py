@@ -58,7 +58,7 @@ class PromptCache:
         self.store = store
         self.out = out
         self.lengths = lengths
-        self.length: dict[str, int | None] = {}  # prompt -> its text length, once asked
+        self.length: dict[str, int | None] = {}  # prompt -> its text length, once asked (with `lengths`)
         self.cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self.upcoming: dict[int | None, deque[str]] = {}  # per text length
         self.hits = 0
@@ -67,16 +67,18 @@ class PromptCache:
 
     def encode_length(self, prompt: str) -> int | None:
         """The text tokens `prompt` is encoded at (None: the family's one length)."""
+        if self.lengths is None:
+            return None
         if prompt not in self.length:
             self._learn([prompt])
         return self.length[prompt]
 
     def _learn(self, prompts: Sequence[str]) -> None:
+        """Remember the text lengths of those `prompts` not known yet (one tokenizer call)."""
         new = [p for p in dict.fromkeys(prompts) if p not in self.length]
-        if not new:
-            return
-        found = self.lengths(new) if self.lengths is not None else None
-        self.length.update(zip(new, found if found is not None else [None] * len(new)))
+        if new and self.lengths is not None:
+            found = self.lengths(new)
+            self.length.update(zip(new, found if found is not None else [None] * len(new)))
 
     def _by_length(self, prompts: Iterable[str]) -> dict[int | None, list[str]]:
         groups: dict[int | None, list[str]] = {}

@@ -258,8 +258,8 @@ def _record(tp: type, value: Any, source: str, where: str) -> Any:
     if not isinstance(value, dict):
         raise ReportError(f"{source}: `{where}` is {value!r}, not an object ({tp.__name__})")
     names = [f.name for f in fields(tp)]
-    optional = {f.name for f in fields(tp) if f.default is not MISSING or f.default_factory is not MISSING}
-    missing = [n for n in names if n not in value and n not in optional]
+    required = _required(tp)
+    missing = [n for n in names if n not in value and n in required]
     unknown = [k for k in value if k not in names]
     if missing or unknown:
         what = "; ".join(part for part in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if part)
@@ -282,12 +282,15 @@ def _union(options: tuple, value: Any, source: str, where: str) -> Any:
     return _record(matching[0], value, source, where)
 
 
+def _required(tp: type) -> set[str]:
+    """The fields of record `tp` without a default: a report must hold them (the others may be absent
+    from one written before they existed)."""
+    return {f.name for f in fields(tp) if f.default is MISSING and f.default_factory is MISSING}
+
+
 def _keys_fit(tp: type, keys: set[str]) -> bool:
-    """Whether a record of `tp` can hold exactly these keys: every field without a default, and no
-    key it lacks."""
-    names = {f.name for f in fields(tp)}
-    required = {f.name for f in fields(tp) if f.default is MISSING and f.default_factory is MISSING}
-    return required <= keys <= names
+    """Whether a record of `tp` can hold exactly these keys: every required field, and no key it lacks."""
+    return _required(tp) <= keys <= {f.name for f in fields(tp)}
 
 
 def _name(tp: Any) -> str:

@@ -144,6 +144,13 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def batch_text_length(lengths: Iterable[int | None] | None) -> int | None:
+    """A batch's text length from its texts' own (`prompt_lengths`): the longest; None where they have
+    none (the family's one length)."""
+    found = list(lengths) if lengths is not None else [None]
+    return None if None in found else max(found)
+
+
 class TransformerVAE:
     """What every family shares: a denoising `transformer`, a `vae` and the checkpoint's scheduler.
     Device, dtype and latent shapes follow from them (each family keeps its own decode: diffusers'
@@ -179,7 +186,7 @@ class TransformerVAE:
         return {}
 
     def text_length_for(self, texts: Iterable[str]) -> int | None:
-        return None
+        return batch_text_length(self.prompt_lengths(list(dict.fromkeys(texts))))
 
     def prompt_lengths(self, texts: Sequence[str]) -> list[int] | None:
         return None

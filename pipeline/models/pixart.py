@@ -95,7 +95,8 @@ class PixArtAdapter(TransformerVAE):
         included) rounded up to `text_multiple`, at most max_sequence_length; None when off (every
         text at max_sequence_length). T5 encodes each prompt at its own length (in chunks of prompts of
         one length: `pipeline.prompts`), whose tokens past the prompt's are the padding that
-        cross-attention masks out, so its embedding is a function of the prompt alone."""
+        cross-attention masks out, so its embedding is a function of the prompt alone; a batch runs at
+        the longest of its texts' (`text_length_for`), an image the untrimmed one up to rounding."""
         if self.text_multiple is None:
             return None
         if self.tokenizer is None:
@@ -104,14 +105,6 @@ class PixArtAdapter(TransformerVAE):
         ids = self.tokenizer(clean_prompts(list(texts)), truncation=True, max_length=self.max_sequence_length,
                              add_special_tokens=True)["input_ids"]
         return [min(-(-len(row) // self.text_multiple) * self.text_multiple, self.max_sequence_length) for row in ids]
-
-    def text_length_for(self, texts: Iterable[str]) -> int | None:
-        """The text length a batch with these texts (its prompts and negative prompts) runs at: the
-        longest of their `prompt_lengths`; None when off (every batch at max_sequence_length). The
-        batch's transformer sees those tokens, all padding past each prompt's own, which
-        cross-attention masks out: an image is the untrimmed one up to rounding."""
-        lengths = self.prompt_lengths(list(dict.fromkeys(texts)))
-        return None if lengths is None else max(lengths)
 
     def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         """Conditioning [n, 2, L, ...] -> `length` tokens (text_length_for's): its first ones, or with
