@@ -152,8 +152,9 @@ class ManifestConfig:
 class RuntimeConfig:
     device: str = "auto"
     progress: bool = True
-    # Prompts encoded per text-encoder call.
-    encode_batch_size: int = 64
+    # Prompts encoded per text-encoder call; null: as many as make pipeline.prompts.ENCODE_TOKENS text
+    # tokens at the prompts' length, at most MOST_PER_CALL (a small job encodes little padding).
+    encode_batch_size: Optional[int] = None
     # Batches the device may still be working on when the host queues the next one (0: the host
     # waits for each batch before it prepares the next, nothing overlaps).
     inflight_batches: int = 2
@@ -384,6 +385,9 @@ def check_choices(cfg: JobConfig) -> None:
         check_auto_sizes(cfg.bcg.auto_sizes)
     else:
         check_ladder(ladder)
+    if cfg.runtime.encode_batch_size is not None and cfg.runtime.encode_batch_size < 1:
+        raise UserError(f"runtime.encode_batch_size={cfg.runtime.encode_batch_size} must be >= 1, or null "
+                        "(prompts per call from their text length)")
     if cfg.runtime.inflight_batches < 0:
         raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
     if cfg.sampler.steps is not None and cfg.sampler.steps < 1:  # null: the model's own

@@ -410,13 +410,16 @@ def job_fields(cfg: JobConfig, precision: dict, kernels: KernelSettings) -> dict
 def settings_digest(cfg: JobConfig, precision: dict, kernels: KernelSettings) -> str:
     """Everything else an image depends on, so a resumed job can tell whether committed images are
     still its own: the model config (its sampler defaults aside: rows record steps and guidance),
-    precision, scope, sampler, and the kernels that differ from the default (so a job with default
-    kernels has one digest whichever kernel options exist)."""
+    precision, scope, sampler, the kernels that differ from the default (so a job with default
+    kernels has one digest whichever kernel options exist), and a fixed number of prompts per
+    text-encoder call (an embedding's rounding depends on its call's size)."""
     model = {k: v for k, v in asdict(cfg.model).items() if k not in ("steps", "guidance_scale")}
     everything = {"model": model, "precision": digest_record(precision), "scope": cfg.bcg.scope,
                   "sampler": cfg.sampler.name}
     if cfg.sampler.true_cfg_scale != 1.0:  # counts only when on, so other jobs keep their digest
         everything["true_cfg_scale"] = cfg.sampler.true_cfg_scale
+    if cfg.runtime.encode_batch_size is not None:  # likewise: null, the default, picks by text length
+        everything["encode_batch_size"] = cfg.runtime.encode_batch_size
     kernels = output_kernels(kernels)
     if kernels:
         everything["kernels"] = kernels
@@ -577,7 +580,8 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         device=str(setup.device),
         model=built.adapter.name,
         bcg=engine.metrics.report(),
-        prompt_cache=PromptCacheCounts(encoded=prompts.encoded, hits=prompts.hits),
+        prompt_cache=PromptCacheCounts(encoded=prompts.encoded, hits=prompts.hits, calls=prompts.calls,
+                                       padding=prompts.padding),
         writer_busy_s=generated.writer_busy_s,
         output=generated.output,
         gpu_busy=generated.gpu_busy,

@@ -1,9 +1,11 @@
 """Prompt encoding ahead of denoising, in fixed-size chunks, with a bounded cache keyed by prompt text.
 
-The text encoder always sees chunks of exactly `chunk` prompts (short chunks are padded with the
-empty prompt), all of one text length (`lengths`: the family's per-prompt lengths, with
-kernels.trim_text_padding; else one length), so a prompt's embedding is the same whichever prompts
-it was encoded with. Rows of different lengths asked for together are padded with zeros (mask 0) to
+The text encoder always sees chunks of exactly one number of prompts for their text length (short
+chunks are padded with the empty prompt), all of one text length (`lengths`: the family's per-prompt
+lengths, with kernels.trim_text_padding; else one length), so a prompt's embedding is the same
+whichever prompts it was encoded with. That number is runtime.encode_batch_size, or by default as
+many prompts as make ENCODE_TOKENS text tokens (`prompts_per_call`): the encoder's matmuls run at
+full rate from about there, and a small job does not encode a large chunk of padding. Rows of different lengths asked for together are padded with zeros (mask 0) to
 the longest. Given
 the order in which prompts will be asked for (`schedule`: the plan's batches, negative prompts
 included), a miss encodes the prompts asked for plus the next ones not yet encoded, up to a full
@@ -29,6 +31,10 @@ EncodeFn = Callable[..., dict[str, torch.Tensor]]
 # texts -> the text length each is encoded at (None: all at the family's one length)
 LengthsFn = Callable[[Sequence[str]], "list[int] | None"]
 DEFAULT_NEGATIVE = ""  # a row without a negative prompt, as diffusers
+ENCODE_TOKENS = 4096  # text tokens per text-encoder call by default
+MOST_PER_CALL = 64  # prompts per call by default at most (short texts; a family without text encoder)
+# a text length (None: the family's one) -> prompts per text-encoder call
+ChunkFn = Callable[["int | None"], int]
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +43,34 @@ def negative_or_default(prompt: str | None) -> str:
     return prompt if prompt is not None else DEFAULT_NEGATIVE
 
 
+def prompts_per_call(tokens: int | None, fixed: int | None = None) -> int:
+    """Prompts per text-encoder call for prompts of `tokens` text tokens (None: no text encoder):
+    `fixed` (runtime.encode_batch_size) where given, else as many as make ENCODE_TOKENS tokens, at
+    least 1 and at most MOST_PER_CALL."""
+    if fixed is not None:
+        return fixed
+    if not tokens:
+        return MOST_PER_CALL
+    return max(1, min(MOST_PER_CALL, ENCODE_TOKENS // tokens))
+
+
 class PromptCache:
     def __init__(
         self,
         encode: EncodeFn,
-        chunk: int,
+        chunk: int | ChunkFn,
         capacity: int,
         store: torch.device | None = None,
         out: torch.device | None = None,
         lengths: LengthsFn | None = None,
     ):
-        """`store`: where cached tensors live (None: where `encode` puts them); `out`: where `get`
-        returns them (None: where they are stored); `lengths`: the text length of each prompt (None:
-        one for all)."""
-        if chunk < 1 or capacity < 1:
+        """`chunk`: prompts per encoder call, or a function of their text length giving it; `store`:
+        where cached tensors live (None: where `encode` puts them); `out`: where `get` returns them
+        (None: where they are stored); `lengths`: the text length of each prompt (None: one for all)."""
+        if capacity < 1 or (isinstance(chunk, int) and chunk < 1):
             raise UserError(f"prompt chunk ({chunk}) and cache capacity ({capacity}) must be >= 1")
         self.encode = encode
-        self.chunk = chunk
+        self.chunk_of: ChunkFn = chunk if callable(chunk) else (lambda length: chunk)
         self.capacity = capacity
         self.store = store
         self.out = out
@@ -64,6 +81,7 @@ class PromptCache:
         self.hits = 0
         self.encoded = 0
         self.calls = 0
+        self.padding = 0  # empty prompts that filled short chunks
 
     def encode_length(self, prompt: str) -> int | None:
         """The text tokens `prompt` is encoded at (None: the family's one length)."""
@@ -96,8 +114,9 @@ class PromptCache:
         """Encode every prompt not cached yet, now, in full chunks."""
         missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
         for length, group in self._by_length(missing).items():
-            for start in range(0, len(group), self.chunk):
-                self._encode_chunk(group[start : start + self.chunk], length)
+            chunk = self.chunk_of(length)
+            for start in range(0, len(group), chunk):
+                self._encode_chunk(group[start : start + chunk], length)
 
     def get(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """prompts (N) -> conditioning tensors by name, each [N, ...]."""
@@ -119,7 +138,8 @@ class PromptCache:
         """`missing` plus, per text length, upcoming uncached prompts of it up to a whole number of chunks."""
         wanted = dict.fromkeys(missing)
         for length, group in self._by_length(missing).items():
-            room = min(self.capacity, -(-len(group) // self.chunk) * self.chunk) - len(group)
+            chunk = self.chunk_of(length)
+            room = min(self.capacity, -(-len(group) // chunk) * chunk) - len(group)
             upcoming = self.upcoming.get(length, deque())
             while upcoming and room > 0:
                 p = upcoming.popleft()
@@ -129,9 +149,10 @@ class PromptCache:
         return list(wanted)
 
     def _encode_chunk(self, prompts: list[str], length: int | None) -> None:
-        padded = prompts + [DEFAULT_NEGATIVE] * (self.chunk - len(prompts))
+        padded = prompts + [DEFAULT_NEGATIVE] * (self.chunk_of(length) - len(prompts))
         encoded = self.encode(padded) if length is None else self.encode(padded, length)
         self.calls += 1
+        self.padding += len(padded) - len(prompts)
         for i, p in enumerate(prompts):
             row = {name: t[i] for name, t in encoded.items()}
             if self.store is not None:
@@ -160,19 +181,23 @@ def planned_prompts(batches: Iterable, negatives: bool = True) -> list[str]:
     return order
 
 
-def prompt_cache(adapter: Adapter, batches: list, chunk: int, capacity: int, offload: bool) -> PromptCache:
-    """The job's prompt cache. With `offload`, every prompt of the plan is encoded now, kept in host
-    memory, and the text encoders are released (a later new prompt raises a RuntimeError: the plan
-    has none)."""
+def prompt_cache(adapter: Adapter, batches: list, fixed: int | None, capacity: int, offload: bool) -> PromptCache:
+    """The job's prompt cache, `fixed` prompts per encoder call (runtime.encode_batch_size; None: by
+    their text length, `prompts_per_call`). With `offload`, every prompt of the plan is encoded now,
+    kept in host memory, and the text encoders are released (a later new prompt raises a
+    RuntimeError: the plan has none)."""
     order = planned_prompts(batches, adapter.uses_cfg)
-    if not offload:
-        cache = PromptCache(adapter.encode, chunk, capacity, lengths=adapter.prompt_lengths)
-        cache.schedule(order)
-        return cache
+    chunk = lambda length: prompts_per_call(adapter.text_tokens(length), fixed)  # noqa: E731
     cpu = torch.device("cpu")
-    cache = PromptCache(adapter.encode, chunk, max(capacity, len(set(order))), store=cpu, out=adapter.device,
-                        lengths=adapter.prompt_lengths)
-    cache.schedule(order)  # learns every prompt's length before the tokenizer goes with the text encoder
+    cache = (PromptCache(adapter.encode, chunk, capacity, lengths=adapter.prompt_lengths) if not offload else
+             PromptCache(adapter.encode, chunk, max(capacity, len(set(order))), store=cpu, out=adapter.device,
+                         lengths=adapter.prompt_lengths))
+    cache.schedule(order)  # learns every prompt's length (before the tokenizer goes with the text encoder)
+    sizes = {length: chunk(length) for length in cache.upcoming}
+    log.info("prompts: %s per text-encoder call%s", ", ".join(str(n) for n in sorted(set(sizes.values()))),
+             "" if fixed is None else " (runtime.encode_batch_size)")
+    if not offload:
+        return cache
     cache.prefetch(order)
     adapter.release_text_encoders()
     log.info(

@@ -59,8 +59,10 @@ class ShardInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class PromptCacheCounts:
-    encoded: int
-    hits: int
+    encoded: int  # prompts the text encoders encoded
+    hits: int  # prompts asked for and found encoded
+    calls: int = 0  # text-encoder calls
+    padding: int = 0  # empty prompts that filled their short chunks
 
 
 @dataclass(frozen=True, kw_only=True)

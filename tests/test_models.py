@@ -264,17 +264,18 @@ class TextEncoder:
 
 def test_prompt_cache_encodes_each_prompt_at_its_own_length_in_chunks_of_one_length():
     """With per-prompt text lengths (kernels.trim_text_padding), the encoder sees full chunks of
-    prompts of one length; rows of several lengths asked together are padded with zeros, mask 0."""
+    prompts of one length, as many as that length's chunk holds (here 8 tokens a call); rows of
+    several lengths asked together are padded with zeros, mask 0."""
     encoder = TextEncoder()
     lengths = lambda texts: [4 * -(-max(len(t), 1) // 4) for t in texts]  # noqa: E731
-    cache = PromptCache(encoder, chunk=2, capacity=64, lengths=lengths)
+    cache = PromptCache(encoder, chunk=lambda length: 8 // length, capacity=64, lengths=lengths)
     cache.schedule(["", "ab", "abcdef", "", "xyz", "uvwxyzab"])
     got = cache.get(["", "abcdef"])
-    assert encoder.calls == [(["", "ab"], 4), (["abcdef", "uvwxyzab"], 8)]  # each length's next prompts ahead
+    assert encoder.calls == [(["", "ab"], 4), (["abcdef"], 8)]  # length 4's next prompt ahead, length 8's alone
     assert got["emb"].shape == (2, 8, 1) and got["mask"].tolist() == [[0] * 8, [1] * 6 + [0] * 2]
     assert got["emb"][0, :, 0].tolist() == [-1.0] * 4 + [0.0] * 4  # "" encoded at 4, zeros past them
     assert cache.get(["ab", "xyz"])["emb"].shape == (2, 4, 1)
-    assert encoder.calls[2] == (["xyz", ""], 4)  # the last chunk of length 4, padded with ""
+    assert encoder.calls[2] == (["xyz", ""], 4) and cache.padding == 1  # the last chunk of length 4, padded with ""
     assert [cache.encode_length(p) for p in ("", "xyz", "uvwxyzab")] == [4, 4, 8]
 
 

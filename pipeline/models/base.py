@@ -56,6 +56,10 @@ class Adapter(Protocol):
         """The text tokens each text is encoded at; None: all at the family's fixed length (most
         families)."""
 
+    def text_tokens(self, length: int | None) -> int | None:
+        """The tokens a prompt encoded at `length` (a `prompt_lengths` length; None: the family's
+        fixed one) takes in its longest text encoder; None: no text encoder (class labels)."""
+
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """Per-row inputs that depend on the image size alone (PixArt-Alpha's resolution and aspect
         ratio micro-conditions), each [n, ...] on `device`; {} for most families. They are inputs,
@@ -157,6 +161,7 @@ class TransformerVAE:
     expressions differ)."""
 
     uses_cfg = True
+    max_sequence_length: int | None = None  # T5's tokens per prompt; None: no text encoder
     # kernels.trim_text_padding (pipeline.kernels.text): a family whose text_length_for cuts each batch's
     # text rounds its length up to this many tokens; None: off
     text_multiple: int | None = None
@@ -190,6 +195,9 @@ class TransformerVAE:
 
     def prompt_lengths(self, texts: Sequence[str]) -> list[int] | None:
         return None
+
+    def text_tokens(self, length: int | None) -> int | None:
+        return length or self.max_sequence_length
 
     def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         return cond
