@@ -47,7 +47,7 @@ from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.kept_model import KeptModel, model_key, not_keepable
-from pipeline.prompts import PromptCache, planned_prompts, prompt_cache
+from pipeline.prompts import PromptCache, encoding_digest, planned_prompts, prompt_cache
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
 from pipeline.startup import Preamble, StartupClock, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
@@ -411,15 +411,14 @@ def settings_digest(cfg: JobConfig, precision: dict, kernels: KernelSettings) ->
     """Everything else an image depends on, so a resumed job can tell whether committed images are
     still its own: the model config (its sampler defaults aside: rows record steps and guidance),
     precision, scope, sampler, the kernels that differ from the default (so a job with default
-    kernels has one digest whichever kernel options exist), and a fixed number of prompts per
-    text-encoder call (an embedding's rounding depends on its call's size)."""
+    kernels has one digest whichever kernel options exist), and the prompts per text-encoder call
+    where they are not the 64 of earlier versions (an embedding's rounding depends on its call's size)."""
     model = {k: v for k, v in asdict(cfg.model).items() if k not in ("steps", "guidance_scale")}
     everything = {"model": model, "precision": digest_record(precision), "scope": cfg.bcg.scope,
                   "sampler": cfg.sampler.name}
     if cfg.sampler.true_cfg_scale != 1.0:  # counts only when on, so other jobs keep their digest
         everything["true_cfg_scale"] = cfg.sampler.true_cfg_scale
-    if cfg.runtime.encode_batch_size is not None:  # likewise: null, the default, picks by text length
-        everything["encode_batch_size"] = cfg.runtime.encode_batch_size
+    everything.update(encoding_digest(cfg.runtime.encode_batch_size, cfg.model.max_sequence_length))  # likewise
     kernels = output_kernels(kernels)
     if kernels:
         everything["kernels"] = kernels

@@ -54,6 +54,19 @@ def prompts_per_call(tokens: int | None, fixed: int | None = None) -> int:
     return max(1, min(MOST_PER_CALL, ENCODE_TOKENS // tokens))
 
 
+def encoding_digest(fixed: int | None, tokens: int | None) -> dict:
+    """What of the prompts' encoding a job's images depend on beyond the model config (its settings
+    digest's part): {} where every text-encoder call holds MOST_PER_CALL prompts, as every job's did
+    before the count followed the text length (their outputs still resume); else the count (`fixed`,
+    runtime.encode_batch_size) or the rule. `tokens`: the config's T5 tokens per prompt, the longest a
+    prompt is encoded at (None: the checkpoint's own, not known before it is loaded)."""
+    if fixed is not None:
+        return {} if fixed == MOST_PER_CALL else {"prompts_per_call": fixed}
+    if tokens is not None and prompts_per_call(tokens) == MOST_PER_CALL:
+        return {}
+    return {"prompts_per_call": f"{ENCODE_TOKENS} tokens"}
+
+
 class PromptCache:
     def __init__(
         self,

@@ -104,7 +104,7 @@ def conflict_message(conflicts: dict[str, str], out_dir: Path, limit: int = 20) 
         lines.append("output.layout changed: the committed shards are in another layout.")
     if any("settings" in why for why in conflicts.values()):
         lines.append("'settings' covers the model config, precision, bcg.scope, the sampler config, kernels "
-                     "other than the default and a fixed runtime.encode_batch_size.")
+                     "other than the default and the prompts per text-encoder call.")
     lines.append("Use another output.dir, or output.on_conflict=overwrite to regenerate them.")
     return "\n".join(lines)
 

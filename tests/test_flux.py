@@ -16,7 +16,7 @@ from pipeline.job import run
 from pipeline.manifest import ManifestError
 from pipeline.models import build_model, to_diffusers
 from pipeline.noise import batch_noise
-from pipeline.prompts import ENCODE_TOKENS, MOST_PER_CALL, prompts_per_call
+from pipeline.prompts import ENCODE_TOKENS, MOST_PER_CALL, encoding_digest, prompts_per_call
 
 CPU = torch.device("cpu")
 STEPS = 2
@@ -155,8 +155,8 @@ def test_auto_ladder_and_shards_serve_flux_like_any_family(tmp_path):
 def test_a_small_job_encodes_its_prompts_in_one_call_of_their_token_budget(tmp_path, caplog):
     """By default a text-encoder call holds ENCODE_TOKENS tokens of prompts (at 512 T5 tokens, 8 of
     them), so 5 prompts are one call with 3 of padding, not a chunk of 64. A fixed
-    runtime.encode_batch_size is part of what an image is made from: a resume with another refuses
-    the committed images."""
+    runtime.encode_batch_size is part of what an image is made from: a resume with another count
+    refuses the committed images."""
     manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"r{i}", 64, 64, i) for i in range(5)]))
     job = ("model=tiny_flux", "model.max_sequence_length=512", f"sampler.steps={STEPS}")
     with caplog.at_level("INFO", logger="pipeline.prompts"):
@@ -167,8 +167,10 @@ def test_a_small_job_encodes_its_prompts_in_one_call_of_their_token_budget(tmp_p
         {"encoded": 5, "calls": 1, "padding": per_call - 5}
     assert f"prompts: {per_call} per text-encoder call" in caplog.text
     assert prompts_per_call(512, fixed=64) == 64 and prompts_per_call(None) == prompts_per_call(1) == MOST_PER_CALL
-    with pytest.raises(UserError, match=r"(?s)id 'r0': settings changed.*a fixed runtime.encode_batch_size"):
-        run(cpu_job(manifest, tmp_path / "out", *job, "runtime.encode_batch_size=8"))
+    # calls of 64, as every job's before: the digest of outputs written then, which still resume
+    assert encoding_digest(None, 32) == encoding_digest(64, 512) == {} != encoding_digest(None, 512)
+    with pytest.raises(UserError, match=r"(?s)id 'r0': settings changed.*the prompts per text-encoder call"):
+        run(cpu_job(manifest, tmp_path / "out", *job, "runtime.encode_batch_size=4"))
     with pytest.raises(UserError, match=r"runtime.encode_batch_size=0 must be >= 1, or null"):
         run(cpu_job(manifest, tmp_path / "zero", *job, "runtime.encode_batch_size=0"))
     assert not (tmp_path / "zero").exists()
