@@ -5,9 +5,9 @@ chunks are padded with the empty prompt), all of one text length (`lengths`: the
 lengths, with kernels.trim_text_padding; else one length), so a prompt's embedding is the same
 whichever prompts it was encoded with. That number is runtime.encode_batch_size, or by default as
 many prompts as make ENCODE_TOKENS text tokens (`prompts_per_call`): the encoder's matmuls run at
-full rate from about there, and a small job does not encode a large chunk of padding. Rows of different lengths asked for together are padded with zeros (mask 0) to
-the longest. Given
-the order in which prompts will be asked for (`schedule`: the plan's batches, negative prompts
+full rate from about there, and a small job does not encode a large chunk of padding. Rows of
+different lengths asked for together are padded with zeros (mask 0) to the longest. Given the order
+in which prompts will be asked for (`schedule`: the plan's batches, negative prompts
 included), a miss encodes the prompts asked for plus the next ones not yet encoded, up to a full
 chunk: the text encoder runs on full chunks, ahead of the batches that need them, and a prompt
 repeated anywhere in the manifest (the shared negative prompt above all) is encoded once while
@@ -60,11 +60,10 @@ def encoding_digest(fixed: int | None, tokens: int | None) -> dict:
     before the count followed the text length (their outputs still resume); else the count (`fixed`,
     runtime.encode_batch_size) or the rule. `tokens`: the config's T5 tokens per prompt, the longest a
     prompt is encoded at (None: the checkpoint's own, not known before it is loaded)."""
-    if fixed is not None:
-        return {} if fixed == MOST_PER_CALL else {"prompts_per_call": fixed}
-    if tokens is not None and prompts_per_call(tokens) == MOST_PER_CALL:
+    known = fixed is not None or tokens is not None
+    if known and prompts_per_call(tokens, fixed) == MOST_PER_CALL:
         return {}
-    return {"prompts_per_call": f"{ENCODE_TOKENS} tokens"}
+    return {"prompts_per_call": fixed if fixed is not None else f"{ENCODE_TOKENS} tokens"}
 
 
 class PromptCache:
@@ -201,13 +200,13 @@ def prompt_cache(adapter: Adapter, batches: list, fixed: int | None, capacity: i
     RuntimeError: the plan has none)."""
     order = planned_prompts(batches, adapter.uses_cfg)
     chunk = lambda length: prompts_per_call(adapter.text_tokens(length), fixed)  # noqa: E731
-    cpu = torch.device("cpu")
-    cache = (PromptCache(adapter.encode, chunk, capacity, lengths=adapter.prompt_lengths) if not offload else
-             PromptCache(adapter.encode, chunk, max(capacity, len(set(order))), store=cpu, out=adapter.device,
-                         lengths=adapter.prompt_lengths))
+    # with offload: every prompt kept, in host memory, handed out on the device
+    cache = PromptCache(adapter.encode, chunk, max(capacity, len(set(order))) if offload else capacity,
+                        store=torch.device("cpu") if offload else None, out=adapter.device if offload else None,
+                        lengths=adapter.prompt_lengths)
     cache.schedule(order)  # learns every prompt's length (before the tokenizer goes with the text encoder)
-    sizes = {length: chunk(length) for length in cache.upcoming}
-    log.info("prompts: %s per text-encoder call%s", ", ".join(str(n) for n in sorted(set(sizes.values()))),
+    sizes = sorted({chunk(length) for length in cache.upcoming})
+    log.info("prompts: %s per text-encoder call%s", ", ".join(map(str, sizes)),
              "" if fixed is None else " (runtime.encode_batch_size)")
     if not offload:
         return cache
