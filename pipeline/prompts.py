@@ -130,12 +130,18 @@ class PromptCache:
             for start in range(0, len(group), chunk):
                 self._encode_chunk(group[start : start + chunk], length)
 
-    def get(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """prompts (N) -> conditioning tensors by name, each [N, ...]."""
+    def encode_ahead(self, prompts: Sequence[str]) -> int:
+        """Encode now what a `get` of `prompts` would (the prompts not cached, with those `_fill` adds,
+        in the same calls), so that a text encoder's first call and its one-time costs can fall
+        before the batches; how many of `prompts` were not cached."""
         missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
-        self.hits += len(prompts) - len(missing)
         if missing:
             self.prefetch(self._fill(missing))
+        return len(missing)
+
+    def get(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """prompts (N) -> conditioning tensors by name, each [N, ...]."""
+        self.hits += len(prompts) - self.encode_ahead(prompts)
         rows = [self.cache[p] for p in prompts]
         for p in prompts:
             self.cache.move_to_end(p)
@@ -195,9 +201,11 @@ def planned_prompts(batches: Iterable, negatives: bool = True) -> list[str]:
 
 def prompt_cache(adapter: Adapter, batches: list, fixed: int | None, capacity: int, offload: bool) -> PromptCache:
     """The job's prompt cache, `fixed` prompts per encoder call (runtime.encode_batch_size; None: by
-    their text length, `prompts_per_call`). With `offload`, every prompt of the plan is encoded now,
-    kept in host memory, and the text encoders are released (a later new prompt raises a
-    RuntimeError: the plan has none)."""
+    their text length, `prompts_per_call`). The first batch's prompts are encoded now, as its `get`
+    would (the text encoders' first call, with its one-time costs, falls in the job's start-up, not
+    in its first batch). With `offload`, every prompt of the plan is encoded now, kept in host
+    memory, and the text encoders are released (a later new prompt raises a RuntimeError: the plan
+    has none)."""
     order = planned_prompts(batches, adapter.uses_cfg)
     chunk = lambda length: prompts_per_call(adapter.text_tokens(length), fixed)  # noqa: E731
     # with offload: every prompt kept, in host memory, handed out on the device
@@ -209,6 +217,7 @@ def prompt_cache(adapter: Adapter, batches: list, fixed: int | None, capacity: i
     log.info("prompts: %s per text-encoder call%s", ", ".join(map(str, sizes)),
              "" if fixed is None else " (runtime.encode_batch_size)")
     if not offload:
+        cache.encode_ahead(planned_prompts(batches[:1], adapter.uses_cfg))
         return cache
     cache.prefetch(order)
     adapter.release_text_encoders()
