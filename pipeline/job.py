@@ -39,7 +39,7 @@ from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
-from pipeline.models import attention_pixels, build_model, check_items, model_labels, model_limits, with_true_cfg
+from pipeline.models import attention_pixels, build_model, check_items, check_memory, model_labels, model_limits, with_true_cfg
 from pipeline.models.base import Adapter, batch_text_length
 from pipeline.planner import Batch, Plan, buckets_by_shape, run_order, size_label
 from pipeline.model_info import model_family, sampler_defaults
@@ -241,11 +241,12 @@ def prepare(cfg: JobConfig) -> Setup:
 
 
 @job_scope()  # prepare's numerics flags put back
-def check(cfg: JobConfig) -> None:
+def check(cfg: JobConfig, builds_here: bool = True) -> None:
     """What `run` refuses before it writes or builds anything (steps 1 to 6: the device, the kernel
-    settings, bad manifest rows, the ladder, committed batches that conflict), refused without writing
-    anything: the CLI calls it before Hydra creates its files in output.dir. A new auto ladder's
-    plan waits for its calibration, and so does the check of its committed batches."""
+    settings, bad manifest rows, the ladder, committed batches that conflict; and with `builds_here`,
+    a model whose weights cannot fit in this machine's memory), refused without writing anything:
+    the CLI calls it before Hydra creates its files in output.dir. A new auto ladder's plan waits for
+    its calibration, and so does the check of its committed batches."""
     setup = prepare(cfg)
     manifest, bad, _ = read_valid_manifest(cfg)
     ladder = resolve_ladder(cfg.bcg, manifest.counts(), setup.shard, setup.device, setup.out_dir,
@@ -254,6 +255,8 @@ def check(cfg: JobConfig) -> None:
     if planned is not None:
         refuse_committed(setup.out_dir, read_committed(setup.out_dir), planned, manifest, bad,
                          job_fields(cfg, setup.precision, setup.kernels), cfg.output)
+    if builds_here:
+        check_memory(cfg.model, setup.device, setup.dtype)
 
 
 def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> ResolvedPlan:

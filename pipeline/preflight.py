@@ -6,8 +6,9 @@ Light checks first, without torch or diffusers: a CUDA device asked of a torch b
 and a lock on output.dir that another job holds (the config's own values, the ladder included, were
 checked as the config was resolved). A job that is finished already ends there. Then the checks that
 need the model's packages, which the job imports next anyway (`pipeline.job.check`): the device,
-the kernel settings, the manifest's rows against the model's limits, and committed batches that
-conflict. The job makes every check again when it runs: library callers get them too, and another
+the kernel settings, the manifest's rows against the model's limits, committed batches that
+conflict, and (unless Ray's workers build the model) whether its weights can fit in this machine's
+memory. The job makes every check again when it runs: library callers get them too, and another
 process may have committed meanwhile.
 """
 
@@ -41,7 +42,7 @@ def check_run(job: JobConfig, resolved: dict[str, Any]) -> None:
     from pipeline.job import check  # the model's packages
 
     with quiet_logs():
-        check(job)
+        check(job, builds_here=job.cluster.name != "ray")  # Ray's shards build the model on its workers
 
 
 def check_torch_build(device: str) -> None:

@@ -8,7 +8,9 @@ random weights (`model.weights=random`: `model.family`, `model.arch`, `model.sch
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,11 +22,12 @@ from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.manifest import BadRow, Item, Manifest
 from pipeline.model_info import PIPELINE_FAMILIES
+from pipeline.models.footprint import check_fits, checkpoint_components, random_components
 from pipeline.models.source import (Source, config_value, force_offline, model_name, quiet_diffusers, read_pipeline_dir,
-                                    vae_scale_factor)
+                                    init_where, vae_scale_factor, weighted_components)
 
 __all__ = [
-    "FAMILIES", "attention_pixels", "build_model", "check_items", "model_labels", "model_limits", "model_source", "quiet_diffusers",
+    "FAMILIES", "attention_pixels", "build_model", "check_items", "check_memory", "model_labels", "model_limits", "model_source", "quiet_diffusers",
     "save_diffusers", "to_diffusers", "with_true_cfg",
 ]
 
@@ -161,9 +164,31 @@ def with_true_cfg(adapter, true_cfg_scale: float):
     return adapter
 
 
+@functools.lru_cache(maxsize=8)
+def _random_components(family: str, arch: str) -> list:
+    """The components of random weights from a family's configs (JSON): made once per process (the
+    command's checks, then the job's)."""
+    return random_components(FAMILIES[family].random_factories(json.loads(arch)))
+
+
+def check_memory(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, source: Source | None = None) -> None:
+    """UserError where the model's weights alone cannot fit while it is built (pipeline.models.footprint):
+    random weights built where model.init_device says, a checkpoint's loaded on the host, each then
+    moved to `device` in `dtype`."""
+    source = source or model_source(cfg)
+    if source.path is None:
+        components = _random_components(source.family, json.dumps(source.configs, sort_keys=True))
+        where = init_where(cfg.init_device, device)
+    else:
+        components = checkpoint_components(source.path, weighted_components(source))
+        where = torch.device("cpu")
+    check_fits(model_name(source, cfg), components, where, device, dtype)
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """The adapter with its weights on `device` in `dtype`."""
+    """The adapter with its weights on `device` in `dtype`, once `check_memory` passed."""
     source = model_source(cfg)
+    check_memory(cfg, device, dtype, source)
     adapter = FAMILIES[source.family].build(source, cfg, device, dtype)
     where = f"{source.path}" if source.path else f"random weights (seed {cfg.init_seed}, built on {cfg.init_device})"
     log.info("model %s: %s (%s) from %s", adapter.name, source.pipeline, source.family, where)

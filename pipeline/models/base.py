@@ -128,6 +128,9 @@ class Family(Protocol):
     def item_check(self, source: Source) -> Callable[[Item], list[str]] | None:
         """A manifest row's family-specific problems (reasons), from configs alone; None if none."""
 
+    def random_factories(self, arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
+        """Component -> its constructor from a config's `arch` (random weights), in build order."""
+
     def build(self, source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Adapter:
         """The adapter, weights on `device` in `dtype`."""
 

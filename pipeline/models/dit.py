@@ -154,12 +154,17 @@ def item_check(source: Source) -> Callable[[Item], list[str]]:
     return check
 
 
-def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
-    arch = source.configs
-    factories = {
+def random_factories(arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Component -> its constructor from the configs `arch` (random weights; a checkpoint's components
+    are loaded instead), in the order they are built."""
+    return {
         "transformer": lambda: TRANSFORMER(**arch["transformer"]),
         "vae": lambda: AutoencoderKL(**arch["vae"]),
     }
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiTAdapter:
+    factories = random_factories(source.configs)
     modules, name = make_modules(source, cfg, factories, device, dtype)
     scheduler_class, scheduler_config = source.scheduler
     return DiTAdapter(

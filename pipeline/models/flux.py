@@ -236,18 +236,23 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
     return None
 
 
-def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> FluxAdapter:
-    """The adapter; a checkpoint without a guidance embedding (FLUX.1-schnell-like) pads prompts to 256
-    T5 tokens where the config says nothing (pipeline.model_info)."""
-    if cfg.max_sequence_length is None:
-        cfg = dataclasses.replace(cfg, max_sequence_length=default_tokens(cfg))
-    arch = source.configs
-    factories = {
+def random_factories(arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Component -> its constructor from the configs `arch` (random weights; a checkpoint's components
+    are loaded instead), in the order they are built."""
+    return {
         "transformer": lambda: TRANSFORMER(**arch["transformer"]),
         "vae": lambda: AutoencoderKL(**arch["vae"]),
         "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**arch["text_encoder"])),
         "text_encoder_2": lambda: T5EncoderModel(T5Config(**arch["text_encoder_2"])),
     }
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> FluxAdapter:
+    """The adapter; a checkpoint without a guidance embedding (FLUX.1-schnell-like) pads prompts to 256
+    T5 tokens where the config says nothing (pipeline.model_info)."""
+    if cfg.max_sequence_length is None:
+        cfg = dataclasses.replace(cfg, max_sequence_length=default_tokens(cfg))
+    factories = random_factories(source.configs)
     modules, name = make_modules(source, cfg, factories, device, dtype)
     if source.path is None:
         tokenizers = {"tokenizer": build_clip_char_tokenizer(), "tokenizer_2": build_char_tokenizer()}

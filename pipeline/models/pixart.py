@@ -206,13 +206,18 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
     return None
 
 
-def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> PixArtAdapter:
-    arch = source.configs
-    factories = {
+def random_factories(arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Component -> its constructor from the configs `arch` (random weights; a checkpoint's components
+    are loaded instead), in the order they are built."""
+    return {
         "transformer": lambda: TRANSFORMER(**arch["transformer"]),
         "vae": lambda: AutoencoderKL(**arch["vae"]),
         "text_encoder": lambda: T5EncoderModel(T5Config(**arch["text_encoder"])),
     }
+
+
+def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> PixArtAdapter:
+    factories = random_factories(source.configs)
     modules, name = make_modules(source, cfg, factories, device, dtype)
     tokenizer = build_char_tokenizer() if source.path is None else load_component(source, "tokenizer", dtype, device)
     scheduler_class, scheduler_config = source.scheduler

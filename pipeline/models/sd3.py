@@ -145,19 +145,23 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
     return None
 
 
+def random_factories(arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Component -> its constructor from the configs `arch` (random weights; a checkpoint's components
+    are loaded instead), in the order they are built."""
+    return {
+        "transformer": lambda: TRANSFORMER(**arch["transformer"]),
+        "vae": lambda: AutoencoderKL(**arch["vae"]),
+        "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder"])),
+        "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder_2"])),
+        "text_encoder_3": lambda: T5EncoderModel(T5Config(**arch["text_encoder_3"])),
+    }
+
+
 def build(source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> SD3Adapter:
     check_scheduler(source)
     encoders = ["text_encoder", "text_encoder_2", "text_encoder_3"]
     if source.path is None:
-        arch = source.configs
-        factories = {
-            "transformer": lambda: TRANSFORMER(**arch["transformer"]),
-            "vae": lambda: AutoencoderKL(**arch["vae"]),
-            "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder"])),
-            "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**arch["text_encoder_2"])),
-            "text_encoder_3": lambda: T5EncoderModel(T5Config(**arch["text_encoder_3"])),
-        }
-        modules = build_random_modules(factories, cfg.init_seed, cfg.init_device, device, dtype)
+        modules = build_random_modules(random_factories(source.configs), cfg.init_seed, cfg.init_device, device, dtype)
         tokenizers = {"tokenizer": build_clip_char_tokenizer(), "tokenizer_2": build_clip_char_tokenizer(),
                       "tokenizer_3": build_char_tokenizer()}
     else:

@@ -153,11 +153,14 @@ def _is_model(cls: type) -> bool:
     return issubclass(cls, (library("diffusers").ModelMixin, library("transformers").PreTrainedModel))
 
 
+def weighted_components(source: Source) -> list[str]:
+    """The directory's components with weights (models, not tokenizers or the scheduler)."""
+    return [name for name in source.classes if _is_model(component_class(source, name))]
+
+
 def check_safetensors(source: Source) -> None:
     """Every weighted component must have safetensors: pickles can run code when loaded."""
-    for name in source.classes:
-        if not _is_model(component_class(source, name)):
-            continue
+    for name in weighted_components(source):
         folder = source.path / name
         files = sorted(p.name for p in folder.iterdir() if p.is_file())
         if any(f.endswith(".safetensors") for f in files):
@@ -206,6 +209,13 @@ def no_loading_bars() -> Iterator[None]:
 # ---- random weights --------------------------------------------------------------------------
 
 
+def init_where(init_device: str, device: torch.device) -> torch.device:
+    """Where random weights are initialised (model.init_device: cpu, or the job's device)."""
+    if init_device not in INIT_DEVICES:
+        raise UserError(f"model.init_device={init_device!r} is not accepted; choose one of {list(INIT_DEVICES)}")
+    return torch.device("cpu") if init_device == "cpu" else device
+
+
 def build_random_modules(
     factories: dict[str, Callable[[], torch.nn.Module]],
     seed: int,
@@ -213,20 +223,20 @@ def build_random_modules(
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, torch.nn.Module]:
-    """Build each module in order from one seed. `init_device=cpu`: on the CPU, then moved, so the
-    weights are the same on every device (small models); `target`: initialised directly on
-    `device` (no host copy of a multi-billion-parameter model; weights then depend on the device's
-    random generator)."""
-    if init_device not in INIT_DEVICES:
-        raise UserError(f"model.init_device={init_device!r} is not accepted; choose one of {list(INIT_DEVICES)}")
-    where = torch.device("cpu") if init_device == "cpu" else device
+    """Build each module in order from one seed, each moved to `device` and cast to `dtype` before the
+    next is built (`pipeline.models.footprint` counts that peak). `init_device=cpu`: on the CPU, then
+    moved, so the weights are the same on every device (small models); `target`: initialised
+    directly on `device` (no host copy of a multi-billion-parameter model; weights then depend on
+    the device's random generator)."""
+    where = init_where(init_device, device)
     torch.manual_seed(seed)
     out = {}
-    with torch.device(where):
-        for name, factory in factories.items():
-            out[name] = factory()
-    with quiet_diffusers():  # diffusers warns on every dtype cast; the dtype is ours to choose
-        return {name: m.to(device=device, dtype=dtype).eval() for name, m in out.items()}
+    for name, factory in factories.items():  # each moved and cast before the next is built (no random draws)
+        with torch.device(where):
+            module = factory()
+        with quiet_diffusers():  # diffusers warns on every dtype cast; the dtype is ours to choose
+            out[name] = module.to(device=device, dtype=dtype).eval()
+    return out
 
 
 def make_modules(
