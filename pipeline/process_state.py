@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import os
+import sys
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
@@ -27,6 +28,7 @@ import torch
 FP32_PRECISION_OWNERS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
                          "mkldnn.conv", "mkldnn.rnn")
 CONFIGS = ("torch._dynamo.config", "torch._inductor.config")  # imported when a job starts, not with this module
+CHOICES = "torch._inductor.choices"  # what reading inductor's choices imports (most of a second)
 
 
 @contextmanager
@@ -105,7 +107,19 @@ def saved_config(config) -> Iterator[None]:
 @contextmanager
 def saved_inductor_choices() -> Iterator[None]:
     """The object inductor asks, in this thread, how to generate kernels (torch._inductor's
-    V.choices) as it was."""
+    V.choices) as it was. Where it was never asked for (`torch._inductor.choices` not imported: a
+    job that compiles nothing need not import it), one the block installs gives way to a default."""
+    if CHOICES not in sys.modules:
+        try:
+            yield
+        finally:
+            if CHOICES in sys.modules:
+                from torch._inductor import config
+                from torch._inductor.choices import InductorChoices
+                from torch._inductor.virtualized import V
+
+                V.set_choices_handler((config.inductor_choices_class or InductorChoices)())
+        return
     from torch._inductor.virtualized import V
 
     saved = V.choices

@@ -271,8 +271,12 @@ def test_nightly_wrapper_runs_in_the_callers_directory_under_crons_environment(t
 
 @pytest.mark.slow
 def test_readmes_first_command_run_twice_resumes_in_one_directory(tmp_path):
-    first = run_cli("+job=demo", *TINY_CPU, cwd=tmp_path)
+    """Run again, the demo resumes (nothing to do); it imports nothing of inductor's kernel choices (it
+    compiles nothing)."""
+    first = run_python("-X", "importtime", "-m", "pipeline.run", "+job=demo", *TINY_CPU, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    modules = {line.rsplit("|", 1)[1].strip() for line in first.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in modules and "torch._inductor.choices" not in modules
     bars = re.findall(r"\d+/\d+ \[[^\]]*(?:it/s|s/it)\]", first.stdout + first.stderr)
     assert not bars, f"a library drew a progress bar with runtime.progress=false: {bars[:2]}"
     out = tmp_path / "outputs/demo"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pipeline.run
-from conftest import REPO, cpu_job, model_config, rows, run_cli, write_manifest
+from conftest import REPO, cpu_job, model_config, rows, run_cli, run_python, write_manifest
 from pipeline.job import run
 from pipeline.models import build_model, save_diffusers
 
@@ -113,6 +113,22 @@ def test_a_compiling_job_puts_back_dynamos_limits_and_the_next_job_compiles_for_
     assert changed(before, process_state()) == {}
     second = run(cpu_job(manifest, tmp_path / "second", *compiled))
     assert first["kernels"]["compiled_graphs"] == second["kernels"]["compiled_graphs"] > 0
+
+
+def test_inductors_choices_installed_where_none_were_asked_for_give_way_to_the_default():
+    """In a process that never asked for inductor's choices (an eager job's imports none of their
+    code), a job that installs ours for persistent reductions leaves the default behind."""
+    script = ("import sys; from pipeline.process_state import saved_inductor_choices; "
+              "from pipeline.kernels.reductions import compile_options; "
+              "print('before', 'torch._inductor.choices' in sys.modules)\n"
+              "with saved_inductor_choices():\n"
+              "    compile_options()\n"
+              "    from torch._inductor.virtualized import V; print('inside', type(V.choices).__name__)\n"
+              "print('after', type(V.choices).__name__)")
+    proc = run_python("-c", script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split("\n")
+    assert lines[0] == "before False" and lines[1] != "inside InductorChoices" and lines[2] == "after InductorChoices"
 
 
 # Two jobs whose precision and kernels differ and set process-wide state (TF32, cuDNN benchmark, an
