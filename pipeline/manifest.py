@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -276,13 +277,38 @@ def _load_table(path: str | os.PathLike) -> pa.Table:
         return pq.ParquetFile(os.fspath(path)).read()
 
 
+# text formats a manifest is often kept in -> how pyarrow reads one (its text columns as strings, so
+# that a prompt such as "7" stays text)
+TEXT_READERS = {
+    ".csv": "pyarrow.csv.read_csv({name!r}, "
+            "convert_options=pyarrow.csv.ConvertOptions(column_types=TEXT, strings_can_be_null=True))",
+    ".tsv": "pyarrow.csv.read_csv({name!r}, parse_options=pyarrow.csv.ParseOptions(delimiter='\\t'), "
+            "convert_options=pyarrow.csv.ConvertOptions(column_types=TEXT, strings_can_be_null=True))",
+    ".jsonl": "pyarrow.json.read_json({name!r}, parse_options=pyarrow.json.ParseOptions(explicit_schema="
+              "pyarrow.schema(TEXT.items()), unexpected_field_behavior='infer'))",
+}
+
+
+def convert_hint(path: str | os.PathLike) -> str:
+    """How to convert a manifest kept as CSV, TSV or JSON Lines (by its suffix) to Parquet; "" otherwise."""
+    path = Path(path)
+    reader = TEXT_READERS.get(path.suffix.lower())
+    if reader is None:
+        return ""
+    columns = {**REQUIRED_COLUMNS, **OPTIONAL_COLUMNS}
+    text = ", ".join(f"{c!r}: pyarrow.string()" for c, kind in columns.items() if kind in (TEXT, OPTIONAL_TEXT))
+    return (f"; it looks like {path.suffix[1:].upper()}: convert it with `import pyarrow, pyarrow.csv, pyarrow.json, "
+            f"pyarrow.parquet; TEXT = {{{text}}}; pyarrow.parquet.write_table({reader.format(name=path.name)}, "
+            f"{path.stem + '.parquet'!r})`")
+
+
 @contextmanager
 def _reading(path: str | os.PathLike) -> Iterator[None]:
     """A file that is not Parquet, or that cannot be read, as one ManifestError naming it."""
     try:
         yield
     except pa.ArrowInvalid as exc:
-        raise _fail(path, f"not a readable Parquet file ({exc})") from None
+        raise _fail(path, f"not a readable Parquet file ({exc}){convert_hint(path)}") from None
     except OSError as exc:
         raise _fail(path, f"cannot be read ({exc.strerror or exc})") from None
 

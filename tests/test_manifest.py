@@ -305,6 +305,27 @@ def test_not_a_parquet_file(tmp_path: Path, content: bytes) -> None:
     assert str(path) in str(info.value)
 
 
+@pytest.mark.parametrize("suffix, text", ids=["csv", "tsv", "jsonl"], argvalues=[
+    (".csv", "id,prompt,width,height,seed,negative_prompt,style\na,7,64,64,1,,x\nb,3,64,32,2,blurry,y\n"),
+    (".tsv", "id\tprompt\twidth\theight\tseed\na\t7\t64\t64\t1\nb\t3\t64\t32\t2\n"),
+    (".jsonl", '{"id": "a", "prompt": "7", "width": 64, "height": 64, "seed": 1, "style": "x"}\n'
+               '{"id": "b", "prompt": "3", "width": 64, "height": 32, "seed": 2, "negative_prompt": "blurry"}\n'),
+])
+def test_a_manifest_kept_as_text_is_refused_with_the_command_that_converts_it(tmp_path, monkeypatch, suffix, text):
+    """The command in the refusal, run where the file is, writes a manifest that reads: its prompts
+    text even where they look like numbers, an empty or absent negative prompt null."""
+    (tmp_path / f"m{suffix}").write_text(text)
+    with pytest.raises(ManifestError, match=r"convert it with `") as info:
+        read(tmp_path / f"m{suffix}")
+    command = str(info.value).split("convert it with `", 1)[1].rstrip("`")
+    monkeypatch.chdir(tmp_path)
+    exec(command, {})
+    found, bad = read(tmp_path / "m.parquet")
+    items = {it.id: it for it in found}
+    assert bad == [] and (items["a"].prompt, items["a"].negative_prompt) == ("7", None)
+    assert (items["b"].prompt, items["b"].width, items["b"].height) == ("3", 64, 32)
+
+
 def test_missing_required_columns_are_named_with_the_required_set(tmp_path: Path) -> None:
     columns = {k: v for k, v in BASE.items() if k not in ("prompt", "seed")}
     path = write(tmp_path, {**columns, "Seed": [1, 2]})
