@@ -85,15 +85,16 @@ def test_weights_initialised_on_the_gpu_suggest_the_host_where_that_fits():
 
 
 def test_free_host_memory_is_capped_by_the_processs_cgroups(tmp_path):
-    """A container's or a Slurm job's memory limit, less what it uses, at any level of its path (v2),
-    or the v1 memory controller's; no limit leaves MemAvailable."""
+    """A container's or a Slurm job's memory limit, less what it uses beyond its page cache, at any
+    level of its path (v2), or the v1 memory controller's; no limit leaves MemAvailable."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {64 * 2**20} kB\nMemAvailable: {10 * 2**20} kB\n")
     v2 = tmp_path / "v2"
     job = v2 / "slurm" / "job_1"
     (job / "step_0").mkdir(parents=True)
     (job / "memory.max").write_text(f"{4 * GIB}\n")
-    (job / "memory.current").write_text(f"{GIB}\n")
+    (job / "memory.current").write_text(f"{3 * GIB}\n")
+    (job / "memory.stat").write_text(f"anon {GIB}\nfile {2 * GIB}\nfile_mapped 0\n")  # page cache: reclaimable
     (job / "step_0" / "memory.max").write_text("max\n")
     (job / "step_0" / "memory.current").write_text("0\n")
     self_v2 = tmp_path / "self_v2"

@@ -165,28 +165,34 @@ def cgroup_room(cgroups: Path, root: Path) -> list[int]:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
-            base, limit, usage = root, "memory.max", "memory.current"
+            base, names = root, ("memory.max", "memory.current", "file")
         elif "memory" in controllers.split(","):  # v1
-            base, limit, usage = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+            base, names = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
         else:
             continue
         parts = [p for p in path.split("/") if p]
         for depth in range(len(parts), -1, -1):
-            folder = base.joinpath(*parts[:depth])
-            room = _room(folder / limit, folder / usage)
+            room = _room(base.joinpath(*parts[:depth]), *names)
             if room is not None:
                 rooms.append(room)
     return rooms
 
 
-def _room(limit: Path, usage: Path) -> int | None:
+def _room(folder: Path, limit: str, usage: str, cache: str) -> int | None:
+    """A cgroup's limit less its usage, the page cache in it not counted (the kernel reclaims it
+    before it refuses memory); None without a limit ("max", or v1's near 2**63)."""
     try:
-        limit_text, usage_text = limit.read_text().strip(), usage.read_text().strip()
+        limit_text, usage_text = (folder / limit).read_text().strip(), (folder / usage).read_text().strip()
     except OSError:
         return None
-    if not limit_text.isdigit() or not usage_text.isdigit() or int(limit_text) >= 2**60:  # "max", or v1's "no limit"
+    if not limit_text.isdigit() or not usage_text.isdigit() or int(limit_text) >= 2**60:
         return None
-    return max(int(limit_text) - int(usage_text), 0)
+    try:
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+    except OSError:
+        stat = {}
+    cached = int(stat.get(cache, "0")) if stat.get(cache, "0").isdigit() else 0
+    return max(int(limit_text) - max(int(usage_text) - cached, 0), 0)
 
 
 # ---- the check -------------------------------------------------------------------------------
