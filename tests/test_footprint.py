@@ -108,3 +108,16 @@ def test_free_host_memory_is_capped_by_the_processs_cgroups(tmp_path):
     self_v1.write_text("4:memory:/docker\n3:cpu,cpuacct:/docker\n")
     assert host_available(meminfo, self_v1, v1) == 10 * GIB
     assert host_available(tmp_path / "none", tmp_path / "none", tmp_path) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_free_gpu_memory_counts_what_the_allocator_holds_unused():
+    """A block the caching allocator keeps after a tensor is freed is still free to build into."""
+    torch.cuda.empty_cache()
+    before = footprint.available_bytes(str(GPU))
+    block = torch.empty(1 << 30, dtype=torch.uint8, device=GPU)
+    assert footprint.available_bytes(str(GPU)) <= before - (1 << 30) + (64 << 20)
+    del block  # kept by the allocator, not returned to the driver
+    assert torch.cuda.memory_reserved(GPU) >= 1 << 30
+    assert abs(footprint.available_bytes(str(GPU)) - before) <= 64 << 20

@@ -134,11 +134,13 @@ def safetensors_sizes(path: Path) -> tuple[int, int]:
 
 def available_bytes(kind: str) -> int | None:
     """Bytes free for this process: on the host MemAvailable, capped by its cgroups' limits less their
-    usage (a container's, a Slurm job's); on a CUDA device its free memory. None where unknown."""
+    usage (a container's, a Slurm job's); on a CUDA device its free memory and what this process's
+    allocator holds unused. None where unknown."""
     if kind == "host":
         return host_available()
-    free, _ = torch.cuda.mem_get_info(torch.device(kind))
-    return free
+    device = torch.device(kind)
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # our allocator's spare
 
 
 def host_available(meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/proc/self/cgroup"),
