@@ -29,7 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.completion import SUCCESS
-from pipeline.config import fill_sampler_defaults, register_configs, resolve_job
+from pipeline.config import JobConfig, fill_sampler_defaults, register_configs, resolve_job
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.kept_model import KeptModel
@@ -113,6 +113,7 @@ SWEEP_MODEL = KeptModel()  # the model a one-process multirun keeps from one job
 def run_hydra(cfg: DictConfig) -> None:
     """Hydra's task: one job (each job of a multirun), with user errors as one logged line."""
     runtime = HydraConfig.get().runtime
+    job = None
     try:
         job = resolve_job(cfg, runtime.cwd, runtime.output_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -132,8 +133,22 @@ def run_hydra(cfg: DictConfig) -> None:
         outcome = user_outcome(err)
         if outcome is None:
             raise
-        log.error("%s", outcome[1])
+        log.error("%s%s", outcome[1], shared_output_hint(err, job, runtime.output_dir))
         sys.exit(outcome[0])
+
+
+def shared_output_hint(err: Exception, job: JobConfig | None, own_dir: str) -> str:
+    """For a sweep's job refused because output.dir holds another job's batches, where output.dir is
+    given (so every job of the sweep has it, not a directory of its own): how to give each its own."""
+    from pipeline.resume import ResumeConflict
+
+    if not isinstance(err, ResumeConflict) or job is None or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    if job.output.dir == own_dir:
+        return ""
+    return (f"\nThe jobs of this sweep share output.dir={job.output.dir}, which only the shards of one job may "
+            "(shard.index): give each job its own, e.g. 'output.dir=outputs/sweep/${hydra:job.num}', or "
+            "output.dir=null (each job writes into its own Hydra directory under outputs/multirun/).")
 
 
 def user_outcome(err: Exception) -> tuple[ExitCode, str] | None:

@@ -290,6 +290,19 @@ def test_readmes_first_command_run_twice_resumes_in_one_directory(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_sweep_whose_jobs_share_output_dir_says_how_to_give_each_its_own(tmp_path):
+    """Two ladders into one given output.dir: the second job's plan conflicts with the first's
+    batches, and the refusal says how to separate them; the way it names runs both jobs."""
+    sweep = ("-m", "+job=demo", "bcg/ladder=pow2_8,one_8", *TINY_CPU)
+    shared = run_cli(*sweep, "output.dir=out", cwd=tmp_path)
+    assert shared.returncode == ExitCode.USER_ERROR
+    assert "The jobs of this sweep share output.dir=" in shared.stderr + shared.stdout
+    apart = run_cli(*sweep, "output.dir=apart/${hydra:job.num}", cwd=tmp_path)
+    assert apart.returncode == 0, apart.stderr[-2000:]
+    assert all((tmp_path / "apart" / str(num) / "_SUCCESS").is_file() for num in (0, 1))
+
+
+@pytest.mark.slow
 def test_a_finished_job_run_again_ends_before_torch_unless_the_job_changed(tmp_path):
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1), ("b", 64, 64, 2)))
     job = ("+job=dataset", f"manifest.path={manifest}", "output.dir=out", *TINY_CPU)
