@@ -129,7 +129,8 @@ class Family(Protocol):
         """A manifest row's family-specific problems (reasons), from configs alone; None if none."""
 
     def random_factories(self, arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
-        """Component -> its constructor from a config's `arch` (random weights), in build order."""
+        """Component -> its constructor from a config's `arch` (random weights; a checkpoint's components
+        are loaded instead), in the order they are built."""
 
     def build(self, source: Source, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Adapter:
         """The adapter, weights on `device` in `dtype`."""

@@ -207,8 +207,7 @@ def item_check(source: Source) -> Callable[[Item], list[str]] | None:
 
 
 def random_factories(arch: dict[str, Any]) -> dict[str, Callable[[], torch.nn.Module]]:
-    """Component -> its constructor from the configs `arch` (random weights; a checkpoint's components
-    are loaded instead), in the order they are built."""
+    """`pipeline.models.base.Family.random_factories`."""
     return {
         "transformer": lambda: TRANSFORMER(**arch["transformer"]),
         "vae": lambda: AutoencoderKL(**arch["vae"]),
