@@ -235,4 +235,5 @@ def check_fits(model: str, components: list[Component], where: torch.device, dev
               else f"its {at} as built, beside the components before it in {cast}")
     raise UserError(f"model {model}: its weights need at least {gib(need)} GiB of {kind} memory ({during}), and "
                     f"{gib(free)} GiB are free there; "
-                    + (f"they would fit with {' or '.join(fitting)}" if fitting else "it needs a machine with more memory"))
+                    + (f"they would fit with {' or '.join(fitting)}" if fitting else
+                       "it needs a machine with more memory" + (", or a GPU" if device.type == "cpu" else "")))
