@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np

@@ -109,24 +109,20 @@ def saved_inductor_choices() -> Iterator[None]:
     """The object inductor asks, in this thread, how to generate kernels (torch._inductor's
     V.choices) as it was. Where it was never asked for (`torch._inductor.choices` not imported: a
     job that compiles nothing need not import it), one the block installs gives way to a default."""
-    if CHOICES not in sys.modules:
-        try:
-            yield
-        finally:
-            if CHOICES in sys.modules:
-                from torch._inductor import config
-                from torch._inductor.choices import InductorChoices
-                from torch._inductor.virtualized import V
+    asked = CHOICES in sys.modules
+    if asked:
+        from torch._inductor.virtualized import V
 
-                V.set_choices_handler((config.inductor_choices_class or InductorChoices)())
-        return
-    from torch._inductor.virtualized import V
-
-    saved = V.choices
+        saved = V.choices
     try:
         yield
     finally:
-        V.set_choices_handler(saved)
+        if asked or CHOICES in sys.modules:
+            from torch._inductor import config
+            from torch._inductor.choices import InductorChoices
+            from torch._inductor.virtualized import V
+
+            V.set_choices_handler(saved if asked else (config.inductor_choices_class or InductorChoices)())
 
 
 @contextmanager
