@@ -314,3 +314,38 @@ def test_a_finished_job_run_again_ends_before_torch_unless_the_job_changed(tmp_p
     changed = run_python("-X", "importtime", "-m", "pipeline.run", *job, cwd=tmp_path)
     assert changed.returncode == 0 and "torch" in imported(changed), changed.stderr[-3000:]
     assert "nothing to do: all 2 images" in changed.stdout + changed.stderr
+
+
+def test_readme_configuration_table_names_each_groups_options_and_only_real_keys():
+    """The README's config table as a user reads it: every option of each group it names (a lone
+    `default` may go unsaid), nothing that is not one, every `group.key` it shows accepted by the
+    schema, and `kernels.plan`'s values the plans there are."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import JobConfig
+    from pipeline.plans import AUTO, PLANS
+
+    section = (REPO / "README.md").read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(table) >= 10, section
+    schema = OmegaConf.structured(JobConfig)
+    named_groups = set()
+    for line in table:
+        groups_cell, options_cell, keys_cell = (cell.strip() for cell in line.strip("|").split(" | ")[:3])
+        groups = re.findall(r"`([^`]+)`", groups_cell)
+        named_groups.update(groups)
+        options = {name: {p.stem for p in (CONF_DIR / name).glob("*.yaml")} for name in groups}
+        listed = set(re.findall(r"`([^`]+)`", options_cell))
+        for name, available in options.items():
+            assert available, f"README names a config group {name!r} that conf/ does not have"
+            unsaid = available - listed - ({"default"} if available == {"default"} else set())
+            assert not unsaid, f"README's config table does not list {sorted(unsaid)} of group {name!r}"
+        assert listed <= set().union(*options.values()), (
+            f"README lists {sorted(listed - set().union(*options.values()))} as options of {groups}")
+        for key in re.findall(r"`([a-z_]+\.[a-z_.]+)(?:=[^`]*)?`", keys_cell):
+            assert OmegaConf.select(schema, key, default="missing") != "missing", f"README names {key!r}, not a key"
+        plan = re.search(r"`kernels\.plan=([^`]+)`", keys_cell)
+        if plan:
+            assert set(plan.group(1).split("\\|")) == {AUTO, *PLANS}
+    top_level = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml"))} - {"job_schema"}
+    assert top_level <= named_groups, f"README's config table leaves out {sorted(top_level - named_groups)}"

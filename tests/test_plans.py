@@ -167,3 +167,25 @@ def test_precision_follows_the_device_and_float8_is_refused_off_cuda_before_any_
         run(job_config(f"manifest.path={manifest}", f"output.dir={tmp_path / 'out'}", "model=tiny_flux", "precision=fp8",
                        "runtime.device=cpu"))
     assert not (tmp_path / "out" / "shards").exists()
+
+
+def test_the_kernels_page_shows_the_default_plans_every_plan_and_every_setting():
+    """docs/kernels.md as a user reads it: its table of what `auto` picks is DEFAULT_PLANS (and the
+    refusals), it has a row for every plan and one for every kernel setting."""
+    from pipeline.plans import FP8_REFUSALS, SETTINGS
+
+    page = (Path(__file__).resolve().parents[1] / "docs/kernels.md").read_text()
+    cells = lambda line: [cell.strip() for cell in line.strip().strip("|").split(" | ")]  # noqa: E731
+    rows_of = lambda header: [cells(line) for line in page.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]]  # noqa: E731
+    names = {"PixArt": "pixart", "SD3 (SD3, SD3.5)": "sd3", "DiT": "dit", "Flux": "flux"}
+    defaults = {names[family]: (cpu, bf16, fp8) for family, cpu, bf16, fp8 in rows_of("| family | CPU |")}
+    assert set(defaults) == set(ON_CUDA)
+    for family, (cpu, bf16, fp8) in defaults.items():
+        assert cpu == "`eager`" and bf16 == f"`{DEFAULT_PLANS[family, False]}`", family
+        if (family, True) in DEFAULT_PLANS:
+            assert fp8 == f"`{DEFAULT_PLANS[family, True]}`", family
+        else:
+            assert fp8 == f"refused: {FP8_REFUSALS[family].removeprefix('it has ')}", family
+    assert [row[0].strip("`") for row in rows_of("| plan | families |")] == list(PLANS)
+    documented = {name for row in rows_of("| key | what it does |") for name in row[0].replace("`", "").split(", ")}
+    assert documented == set(SETTINGS)
