@@ -23,7 +23,7 @@ from bcg.engine import BCGEngine, Output, ShapeKey
 from pipeline.errors import UserError
 from pipeline.models.source import library
 from pipeline.models.base import Adapter
-from pipeline.samplers import SAMPLERS, Sampler, check_schedule, make_sampler, sampler_name_for
+from pipeline.samplers import SAMPLERS, Sampler, check_sampler_fits, check_schedule, make_sampler, sampler_name_for
 
 SCOPES = ("forward", "step", "loop")
 
@@ -54,6 +54,7 @@ class Denoiser:
             raise UserError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
         if scope == "loop" and adapter.conditioning_varies_per_step:
             raise UserError(LOOP_REFUSAL)
+        check_sampler_fits(sampler, adapter.scheduler_class, adapter.scheduler_config)
         self.adapter = adapter
         self.scope = scope
         self.steps = steps

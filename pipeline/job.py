@@ -39,7 +39,8 @@ from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
-from pipeline.models import attention_pixels, build_model, check_items, check_memory, model_labels, model_limits, with_true_cfg
+from pipeline.models import (attention_pixels, build_model, check_items, check_memory, model_labels, model_limits,
+                             model_source, with_true_cfg)
 from pipeline.models.base import Adapter, batch_text_length
 from pipeline.planner import Batch, Plan, buckets_by_shape, run_order, size_label
 from pipeline.model_info import model_family, sampler_defaults
@@ -51,6 +52,7 @@ from pipeline.prompts import PromptCache, encoding_digest, planned_prompts, prom
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
 from pipeline.startup import Preamble, StartupClock, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
+from pipeline.samplers import check_sampler_fits
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
                              keys_to_clear, read_committed, remove_batches)
 from pipeline.committed import Committed
@@ -232,6 +234,7 @@ def prepare(cfg: JobConfig) -> Setup:
     the numerics flags."""
     fill_sampler_defaults(cfg.sampler, cfg.model)
     check_choices(cfg)
+    check_sampler_fits(cfg.sampler.name, *model_source(cfg.model).scheduler)
     shard = ShardSpec(cfg.shard.index, cfg.shard.count)
     device = resolve_device(cfg.runtime.device, shard.index)
     precision = resolve_precision(cfg.precision.dtype, device)

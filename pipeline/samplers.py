@@ -73,6 +73,40 @@ def sampler_name_for(scheduler_class: str) -> str:
     )
 
 
+# what a transformer's output is, by the name its scheduler gives it
+OUTPUTS = {"flow": "a flow-matching velocity", "epsilon": "the noise (epsilon)", "v_prediction": "a v-prediction",
+           "sample": "the clean sample"}
+
+
+def model_output(scheduler_class: str, config: dict[str, Any]) -> str:
+    """What a checkpoint's transformer predicts, as its own scheduler reads it: `flow` under a
+    flow-matching scheduler (SD3, Flux), else the config's prediction_type (epsilon by default)."""
+    if scheduler_class.startswith("FlowMatch") or config.get("prediction_type") == "flow_prediction":
+        return "flow"
+    return config.get("prediction_type", "epsilon")
+
+
+def sampler_reads(name: str, config: dict[str, Any]) -> str:
+    """What sampler `name`, built from a checkpoint's scheduler config, takes the transformer's
+    output to be (DDIM and DPM-Solver carry the config's prediction_type)."""
+    return "flow" if name == "flow_euler" else model_output(SAMPLERS[name], config)
+
+
+def check_sampler_fits(name: str, scheduler_class: str, config: dict[str, Any]) -> None:
+    """`sampler=<name>` on a checkpoint whose scheduler is `scheduler_class`: refused where the named
+    sampler would read the transformer's output as something it is not (a flow-matching sampler on
+    a noise-predicting model, or the reverse), which makes noise, not images. From names and the
+    config alone: checked before any weights load."""
+    if name not in SAMPLERS:  # `default` is the checkpoint's own; an unknown name is refused elsewhere
+        return
+    predicts = model_output(scheduler_class, config)
+    if sampler_reads(name, config) != predicts:
+        fitting = "".join(f" or {other}" for other in SAMPLERS if sampler_reads(other, config) == predicts)
+        raise UserError(f"sampler={name} reads the model's output as {OUTPUTS[sampler_reads(name, config)]}, but "
+                        f"this model's transformer predicts {OUTPUTS.get(predicts, predicts)} (its scheduler: "
+                        f"{scheduler_class}); choose sampler=default (the checkpoint's own){fitting}")
+
+
 def _per_row(tables: Tensors, i: torch.Tensor, ndim: int, *keys: str) -> list[torch.Tensor]:
     """Each table's entry at step i[b], shaped [B, 1, ..., 1] to broadcast over one row's latents."""
     shape = (-1,) + (1,) * (ndim - 1)

@@ -47,12 +47,34 @@ def test_forward_and_step_agree_within_the_stated_tolerance(scope_runs):
     assert worst <= FORWARD_VS_STEP_MAX_LEVELS, worst
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "flow_euler"])
-def test_named_sampler_runs_in_the_loop_scope(tmp_path, sampler):
+@pytest.mark.parametrize(("model", "sampler"), [("tiny", "ddim"), ("tiny_sd3", "flow_euler")])
+def test_named_sampler_runs_in_the_loop_scope(tmp_path, model, sampler):
     manifest = tmp_path / "demo.parquet"
     pq.write_table(demo_table().slice(0, 3), manifest)
-    report = run(cpu_job(manifest, tmp_path / "out", "bcg.scope=loop", f"sampler={sampler}", "sampler.steps=3"))
+    report = run(cpu_job(manifest, tmp_path / "out", f"model={model}", "bcg.scope=loop", f"sampler={sampler}",
+                         "sampler.steps=3"))
     assert report["images"]["ok"] == 3 and report["sampler"] == sampler
+
+
+@pytest.mark.parametrize(("model", "sampler", "reads", "predicts", "fitting"), [
+    ("tiny", "flow_euler", "a flow-matching velocity", "the noise (epsilon)", "DPMSolverMultistepScheduler); choose "
+     "sampler=default (the checkpoint's own) or dpmpp_2m or ddim"),
+    ("tiny_sd3", "dpmpp_2m", "the noise (epsilon)", "a flow-matching velocity", "FlowMatchEulerDiscreteScheduler); "
+     "choose sampler=default (the checkpoint's own) or flow_euler"),
+    ("tiny_flux", "ddim", "the noise (epsilon)", "a flow-matching velocity", "FlowMatchEulerDiscreteScheduler); "
+     "choose sampler=default (the checkpoint's own) or flow_euler"),
+])
+def test_a_sampler_that_misreads_the_models_output_is_refused_before_anything_is_written(
+        tmp_path, model, sampler, reads, predicts, fitting):
+    """A flow-matching sampler on a noise-predicting model (or the reverse) would make noise, not images."""
+    manifest = tmp_path / "demo.parquet"
+    pq.write_table(demo_table().slice(0, 1), manifest)
+    for scope in ("forward", "step"):
+        with pytest.raises(ValueError) as refused:
+            run(cpu_job(manifest, tmp_path / "out", f"model={model}", f"sampler={sampler}", f"bcg.scope={scope}"))
+        assert str(refused.value) == (f"sampler={sampler} reads the model's output as {reads}, but this model's "
+                                      f"transformer predicts {predicts} (its scheduler: {fitting}")
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_scope_and_sampler_are_named(tmp_path):
