@@ -70,7 +70,8 @@ class SamplerConfig:
     # null: the model's own (model.steps, model.guidance_scale, else its pipeline's defaults); the job
     # fills them in at start, so the recorded config, the log and every row say what ran.
     steps: Optional[int] = None
-    # CFG's scale; for FLUX.1-dev the value its guidance embedding reads (FLUX.1-schnell has none).
+    # CFG's scale (at most 1: no CFG, one forward per row and no negative prompt, as diffusers' pipelines);
+    # for FLUX.1-dev the value its guidance embedding reads (FLUX.1-schnell has none).
     guidance_scale: Optional[float] = None
     # Guidance-distilled families (flux): 1.0 runs one forward per row; above 1, diffusers' true CFG
     # (a forward over [negative; positive], 2B rows, combined with this scale; negative prompts allowed).

@@ -40,7 +40,7 @@ from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
 from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import (attention_pixels, build_model, check_items, check_memory, model_labels, model_limits,
-                             model_source, with_true_cfg)
+                             model_source, runs_cfg, with_guidance)
 from pipeline.models.base import Adapter, batch_text_length
 from pipeline.planner import Batch, Plan, buckets_by_shape, run_order, size_label
 from pipeline.model_info import model_family, sampler_defaults
@@ -293,7 +293,8 @@ def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Sche
     checked (the plan depends on which are valid), columnwise; no item is made yet."""
     granularity, max_side = model_limits(cfg.model)
     manifest, bad = scan_manifest(cfg.manifest.path, granularity, max_side)
-    manifest, bad = check_items(cfg.model, manifest, bad, cfg.sampler.true_cfg_scale)  # the family's own row checks
+    # the family's own row checks
+    manifest, bad = check_items(cfg.model, manifest, bad, cfg.sampler.guidance_scale, cfg.sampler.true_cfg_scale)
     extras = extra_schema(cfg.manifest.path)
     clashing = reserved_columns(extras)
     if clashing:
@@ -367,7 +368,9 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
     memory = MemoryMarks.start(setup.device)
     resolutions = manifest.resolutions()
     probe, shapes = (resolutions[0] if resolutions else None), len(resolutions) * 8
-    key = model_key(cfg.model, setup.device, setup.dtype, setup.kernels, probe, cfg.sampler.true_cfg_scale)
+    guidance = cfg.sampler.guidance_scale, cfg.sampler.true_cfg_scale
+    key = model_key(cfg.model, setup.device, setup.dtype, setup.kernels, probe,
+                    runs_cfg(model_family(cfg.model), *guidance), cfg.sampler.true_cfg_scale)
     taken = kept.take(key) if kept is not None and adapter is None else None
     compiled_before = compile_stats()
     if taken is not None:
@@ -377,7 +380,7 @@ def build(cfg: JobConfig, manifest: Manifest, setup: Setup, adapter: Adapter | N
     else:
         start_compile_workers(setup.kernels, setup.device)
         base = adapter
-        adapter = with_true_cfg(adapter or build_model(cfg.model, setup.device, setup.dtype), cfg.sampler.true_cfg_scale)
+        adapter = with_guidance(adapter or build_model(cfg.model, setup.device, setup.dtype), *guidance)
         clock.lap("build")
         compiled_before = compile_stats()
         applied = apply_kernels(setup.kernels, adapter, probe, shapes=shapes)

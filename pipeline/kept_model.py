@@ -32,17 +32,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class Kept:
     key: str
-    adapter: Any  # the job's adapter (with_true_cfg's) with its kernels applied
+    adapter: Any  # the job's adapter (with_guidance's) with its kernels applied
     kernels: dict  # what apply_kernels reported when it applied them
 
 
 def model_key(model: Any, device: torch.device, dtype: torch.dtype, kernels: Any, probe_size: Any,
-              true_cfg_scale: float) -> str:
+              cfg: bool, true_cfg_scale: float) -> str:
     """A digest of what shapes a built model with its kernels applied: its config (ModelConfig), the
     device and dtype, every kernel setting (KernelSettings), the resolution its attention was probed
-    at, and sampler.true_cfg_scale (a guidance-distilled model's true-CFG copy)."""
+    at, whether it runs CFG (pipeline.models.runs_cfg) and sampler.true_cfg_scale (a guidance-distilled
+    model's true-CFG copy holds it)."""
     what = {"model": asdict(model), "device": str(device), "dtype": str(dtype), "kernels": asdict(kernels),
-            "probe": list(probe_size) if probe_size else None, "true_cfg_scale": true_cfg_scale}
+            "probe": list(probe_size) if probe_size else None, "cfg": cfg, "true_cfg_scale": true_cfg_scale}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 

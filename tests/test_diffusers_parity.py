@@ -37,7 +37,9 @@ PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1
                    "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1,
                    "flux_dev_own_blocks": 1, "flux_dev_hoist_modulation": 1, "flux_dev_step_hoist_modulation": 1,
                    "flux_schnell_hoist_modulation": 1, "flux_true_cfg_hoist_modulation": 1, "sd35_large": 1,
-                   "sd35_medium": 1, "sd35_medium_own_blocks": 1}
+                   "sd35_medium": 1, "sd35_medium_own_blocks": 1, "pixart_sigma_no_cfg": 1, "sd3_no_cfg": 1,
+                   "dit_no_cfg": 1}
+NO_CFG_GUIDANCE = {"pixart_sigma_no_cfg": 0.5, "sd3_no_cfg": 0.0, "dit_no_cfg": 0.0}  # else GUIDANCE
 
 TEXT_ROWS = [  # two sizes, >= 2 rows each; some rows with a negative prompt, some with the default ""
     dict(id="a", prompt="A Cat on a mat ", width=64, height=64, seed=1, negative_prompt="blurry"),
@@ -51,7 +53,9 @@ DIT_ROWS = [  # DiTPipeline generates at its native size only (64 px for tiny_di
     dict(id="b", prompt="tabby cat", width=64, height=64, seed=2),
     dict(id="c", prompt="tench", width=64, height=64, seed=3),
 ]
-FLUX_ROWS = [dict(r, negative_prompt=None) for r in TEXT_ROWS]  # Flux has no negative prompt without true CFG
+# no negative prompts: Flux without true CFG, and a CFG family at guidance <= 1 (one forward per row)
+PROMPT_ONLY_ROWS = [dict(r, negative_prompt=None) for r in TEXT_ROWS]
+FLUX_ROWS = PROMPT_ONLY_ROWS
 TRUE_CFG = 4.0
 # (model overrides, job overrides, diffusers' call keywords): both sides told the T5 length
 FLUX_DEV = ((), ("model.max_sequence_length=32",), {"max_sequence_length": 32})
@@ -78,6 +82,10 @@ CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffu
     "sd35_medium_own_blocks": ("tiny_sd35_medium", (), ("kernels.fuse_qkv=true", "kernels.fuse_qk_norm=true"),
                                TEXT_ROWS, {}),
     "dit": ("tiny_dit", (), (), DIT_ROWS, {}),
+    # guidance at most 1: diffusers' pipelines run no CFG (one forward per row), and so do we
+    "pixart_sigma_no_cfg": ("tiny", (), (), PROMPT_ONLY_ROWS, {}),
+    "sd3_no_cfg": ("tiny_sd3", (), (), PROMPT_ONLY_ROWS, {}),
+    "dit_no_cfg": ("tiny_dit", (), (), DIT_ROWS, {}),
     # FLUX.1-dev-like (guidance embedding, resolution-dependent shift) and FLUX.1-schnell-like
     "flux_dev": ("tiny_flux", FLUX_DEV[0], FLUX_DEV[1], FLUX_ROWS, FLUX_DEV[2]),
     "flux_dev_step": ("tiny_flux", FLUX_DEV[0], (*FLUX_DEV[1], "bcg.scope=step"), FLUX_ROWS, FLUX_DEV[2]),
@@ -113,11 +121,12 @@ def save_random_model(model: str, overrides: tuple[str, ...], directory: Path) -
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
     model, model_overrides, job_overrides, rows, reference_kwargs = CASES[case]
+    guidance = NO_CFG_GUIDANCE.get(case, GUIDANCE)
     directory = save_random_model(model, model_overrides, tmp_path / "model")
     manifest = write_manifest(tmp_path / "m.parquet", rows)
     report = run(cpu_job(
         manifest, tmp_path / "out", "model=pretrained", f"model.path={directory}", "bcg.enabled=false",
-        f"sampler.steps={STEPS}", f"sampler.guidance_scale={GUIDANCE}", *job_overrides,
+        f"sampler.steps={STEPS}", f"sampler.guidance_scale={guidance}", *job_overrides,
     ))
     assert report["images"]["ok"] == len(rows) and report["model"] == "model"
     asked = [o.removeprefix("kernels.").removesuffix("=true") for o in job_overrides if o.startswith("kernels.")]
@@ -126,7 +135,7 @@ def test_pipeline_images_equal_diffusers_pipeline(case, tmp_path):
         assert kernels["own_blocks"] == model_config(model).family, kernels
         assert sorted(kernels["own_block_settings"]) == sorted(asked)
     apply_precision("fp32", tf32=False, cudnn_benchmark=False)
-    reference = diffusers_images(directory, rows, STEPS, GUIDANCE, torch.device("cpu"), torch.float32, **reference_kwargs)
+    reference = diffusers_images(directory, rows, STEPS, guidance, torch.device("cpu"), torch.float32, **reference_kwargs)
     worst = 0
     for r in rows:
         ours = png(tmp_path / "out" / "images" / f"{r['id']}.png").astype(int)

@@ -312,3 +312,34 @@ def test_offload_gives_the_same_images(tmp_path):
         run(cpu_job(manifest, tmp_path / flag, "sampler.steps=2", f"model.offload_text_encoder={flag}"))
     for r in rows:
         assert (png(tmp_path / "true/images" / f"{r['id']}.png") == png(tmp_path / "false/images" / f"{r['id']}.png")).all()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_sd3", "tiny_dit"])
+def test_a_cfg_family_at_guidance_at_most_one_runs_one_forward_per_row_and_takes_no_negative_prompt(name, tmp_path):
+    """As diffusers' pipelines (CFG only above guidance 1): B rows a step, half of CFG's 2B, the
+    prompts alone encoded; a negative prompt is then a bad row that says why (DiT's rows take none)."""
+    adapter = build_model(model_cfg(f"model={name}"), CPU, torch.float32)
+    prompt = "tabby cat" if name == "tiny_dit" else "a photo"
+    table = [{"id": i, "prompt": prompt, "width": 64, "height": 64, "seed": s} for i, s in (("a", 1), ("b", 2), ("c", 3))]
+    manifest = write_manifest(tmp_path / "m.parquet", table)
+    seen: list[int] = []
+    hook = adapter.transformer.register_forward_pre_hook(  # SD3 takes its latents by keyword
+        lambda module, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape[0]),
+        with_kwargs=True)
+    try:
+        for guidance, rows_per_step in ((1.0, 4), (4.5, 8)):  # 3 rows at bucket 4
+            report = run(cpu_job(manifest, tmp_path / f"out-{guidance}", f"model={name}", "bcg.ladder=[4]",
+                                 "sampler.steps=2", f"sampler.guidance_scale={guidance}"), adapter=adapter)
+            assert report["images"]["ok"] == 3 and seen[-2:] == [rows_per_step] * 2, (guidance, seen)
+    finally:
+        hook.remove()
+    assert adapter.uses_cfg  # the job at guidance 1 ran a copy; the adapter it was given is unchanged
+    if name == "tiny_dit":
+        return
+    table[1]["negative_prompt"] = "blurry"
+    manifest = write_manifest(tmp_path / "n.parquet", [dict(r, negative_prompt=r.get("negative_prompt")) for r in table])
+    with pytest.raises(ManifestError) as refused:
+        run(cpu_job(manifest, tmp_path / "refused", f"model={name}", "sampler.guidance_scale=1.0"), adapter=adapter)
+    assert ("row 1 (id 'b'): negative_prompt 'blurry' has no use at sampler.guidance_scale=1.0 (at most 1: no "
+            "classifier-free guidance, one forward per row, as diffusers' pipeline runs it); leave it null, or set "
+            "sampler.guidance_scale above 1") in str(refused.value)

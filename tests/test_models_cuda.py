@@ -94,6 +94,27 @@ def test_flux_replay_equals_eager_bit_for_bit(flux, true_cfg):
     engine.close()
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny_sd3", "tiny_dit"])
+def test_cfg_families_replay_equals_eager_with_cfg_and_without(name):
+    """PixArt, SD3 and DiT: the CFG step (2B rows) and, at guidance at most 1, the step over the
+    prompts alone (B rows, `without_cfg`), replayed bit for bit as computed eagerly."""
+    model = tiny(name)
+    for adapter in (model, model.without_cfg()):
+        engine = BCGEngine(adapter.guided_eps, lambda key: adapter.input_specs(*key), LADDER, "cuda")
+        keys = [(64, 64)] if name == "tiny_dit" else RESOLUTIONS  # DiT: its native size only
+        engine.capture_all(keys)
+        for key in keys:
+            for n in (1, 3):
+                inputs = random_inputs(adapter, key, n, seed=n)
+                if "y" in inputs:  # DiT's class labels
+                    inputs["y"] = torch.randint(0, 4, inputs["y"].shape, device="cuda")
+                if "mask" in inputs:  # PixArt's attention mask: every token attended
+                    inputs["mask"] = torch.ones_like(inputs["mask"])
+                assert torch.equal(engine.run(key, inputs, n), eager(adapter, key, inputs, n)), (name, key, n)
+        assert engine.metrics.misses == 0
+        engine.close()
+
+
 def test_flux_step_scope_under_graphs_equals_eager(flux):
     """The step graph reads its resolution's own schedule (Flux's shift): replayed, the same latents."""
     latents = {}

@@ -28,7 +28,7 @@ from pipeline.models.source import (Source, config_value, force_offline, model_n
 
 __all__ = [
     "FAMILIES", "attention_pixels", "build_model", "check_items", "check_memory", "model_labels", "model_limits", "model_source", "quiet_diffusers",
-    "save_diffusers", "to_diffusers", "with_true_cfg",
+    "save_diffusers", "to_diffusers", "with_guidance",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,14 +110,15 @@ def attention_pixels(cfg: ModelConfig) -> float:
     return 6.0 * hidden * token_side**2
 
 
-def check_items(cfg: ModelConfig, manifest: Manifest, bad: list[BadRow],
+def check_items(cfg: ModelConfig, manifest: Manifest, bad: list[BadRow], guidance_scale: float,
                 true_cfg_scale: float = 1.0) -> tuple[Manifest, list[BadRow]]:
-    """The family's own row checks (DiT: class names, no negative prompt; a guidance-distilled
-    family without true CFG: no negative prompt), without weights: rows that fail leave the manifest
-    and join `bad`, sorted by row, so manifest.on_invalid treats them like any bad row. (A family
-    with checks makes every row's item; the others make none.)"""
+    """The family's own row checks (DiT: class names, no negative prompt; a job without CFG: no
+    negative prompt), without weights: rows that fail leave the manifest and join `bad`, sorted by
+    row, so manifest.on_invalid treats them like any bad row. (A family with checks makes every
+    row's item; the others make none.)"""
     source = model_source(cfg)
-    checks = [c for c in (FAMILIES[source.family].item_check(source), negative_check(source, true_cfg_scale)) if c]
+    checks = [c for c in (FAMILIES[source.family].item_check(source),
+                          negative_check(source, guidance_scale, true_cfg_scale)) if c]
     if not checks:
         return manifest, bad
     failed = [BadRow(it.row, it.id, tuple(reasons)) for it in manifest.items()
@@ -125,9 +126,11 @@ def check_items(cfg: ModelConfig, manifest: Manifest, bad: list[BadRow],
     return manifest.without({b.row for b in failed}), sorted(bad + failed, key=lambda b: b.row)
 
 
-def runs_cfg(family: str, true_cfg_scale: float) -> bool:
-    """Whether a step runs a CFG batch (2B rows): always for a family guided by CFG; for a
-    guidance-distilled one (flux) with diffusers' true CFG only (sampler.true_cfg_scale > 1)."""
+def runs_cfg(family: str, guidance_scale: float, true_cfg_scale: float) -> bool:
+    """Whether a step runs a CFG batch (2B rows): for a family guided by CFG, where
+    sampler.guidance_scale is above 1 (as diffusers' pipelines decide: at most 1, one forward per
+    row and no negative branch); for a guidance-distilled one (flux) with diffusers' true CFG only
+    (sampler.true_cfg_scale > 1)."""
     if true_cfg_scale < 1.0:
         raise UserError(f"sampler.true_cfg_scale={true_cfg_scale} must be >= 1 (1: off; above 1: diffusers' true CFG "
                         "for guidance-distilled models)")
@@ -138,30 +141,34 @@ def runs_cfg(family: str, true_cfg_scale: float) -> bool:
         raise UserError(f"sampler.true_cfg_scale={true_cfg_scale} is for guidance-distilled families {distilled}; "
                         f"{family!r} runs classifier-free guidance at sampler.guidance_scale: leave "
                         "sampler.true_cfg_scale=1.0")
-    return True
+    return guidance_scale > 1.0
 
 
-def negative_check(source: Source, true_cfg_scale: float):
-    """A row's negative prompt, where the model has no use for it: a reason, not a silent drop."""
-    if runs_cfg(source.family, true_cfg_scale):
+def negative_check(source: Source, guidance_scale: float, true_cfg_scale: float):
+    """A row's negative prompt, where the job has no use for it: a reason, not a silent drop."""
+    if runs_cfg(source.family, guidance_scale, true_cfg_scale):
         return None
+    if FAMILIES[source.family].DISTILLED:
+        why = (f"has no use in {source.family} without true CFG (guidance-distilled: one forward per row, no "
+               "negative branch); leave it null, or set sampler.true_cfg_scale above 1 for diffusers' true CFG")
+    else:
+        why = (f"has no use at sampler.guidance_scale={guidance_scale} (at most 1: no classifier-free guidance, one "
+               "forward per row, as diffusers' pipeline runs it); leave it null, or set sampler.guidance_scale above 1")
 
     def check(item: Item) -> list[str]:
-        if item.negative_prompt is None:
-            return []
-        return [f"negative_prompt {item.negative_prompt!r} has no use in {source.family} without true CFG "
-                "(guidance-distilled: one forward per row, no negative branch); leave it null, or set "
-                "sampler.true_cfg_scale above 1 for diffusers' true CFG"]
+        return [] if item.negative_prompt is None else [f"negative_prompt {item.negative_prompt!r} {why}"]
 
     return check
 
 
-def with_true_cfg(adapter, true_cfg_scale: float):
-    """The adapter this job runs: itself, or with sampler.true_cfg_scale > 1 on a guidance-distilled
-    family, a copy over the same modules that runs diffusers' true CFG (2B rows)."""
-    if runs_cfg(adapter.family, true_cfg_scale) and FAMILIES[adapter.family].DISTILLED:
-        return adapter.with_true_cfg(true_cfg_scale)
-    return adapter
+def with_guidance(adapter, guidance_scale: float, true_cfg_scale: float):
+    """The adapter this job runs (`runs_cfg`): itself; or a copy over the same modules that runs
+    diffusers' true CFG (2B rows: sampler.true_cfg_scale > 1 on a guidance-distilled family), or one
+    forward over the prompts alone (B rows: sampler.guidance_scale at most 1 on a CFG family)."""
+    cfg = runs_cfg(adapter.family, guidance_scale, true_cfg_scale)
+    if FAMILIES[adapter.family].DISTILLED:
+        return adapter.with_true_cfg(true_cfg_scale) if cfg else adapter
+    return adapter if cfg else adapter.without_cfg()
 
 
 @functools.lru_cache(maxsize=8)

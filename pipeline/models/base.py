@@ -7,6 +7,7 @@ one file in `conf/model/` and one line in `pipeline.models.FAMILIES`.
 
 from __future__ import annotations
 
+import copy
 import gc
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -30,8 +31,9 @@ class Adapter(Protocol):
     transformer: torch.nn.Module  # the denoiser: diffusers' model, or our own blocks over its weights (pipeline.blocks)
     vae: torch.nn.Module
     # True: a step is one forward over [negative; positive] conditioning (2B rows) and a guidance
-    # combine, conditioning inputs [B, 2, ...]. False (guidance-distilled, e.g. Flux): one forward
-    # over the prompts (B rows), conditioning [B, 1, ...], and a negative prompt has no use.
+    # combine, conditioning inputs [B, 2, ...]. False (guidance-distilled, e.g. Flux, or a CFG family at
+    # sampler.guidance_scale <= 1: `without_cfg`): one forward over the prompts (B rows), conditioning
+    # [B, 1, ...], and a negative prompt has no use.
     uses_cfg: bool
 
     @property
@@ -118,8 +120,9 @@ class Family(Protocol):
 
     PIPELINES: tuple[str, ...]  # diffusers pipeline classes it loads; the first one for random weights
     TRANSFORMER: type  # the diffusers transformer class, whose defaults fill the config's gaps
-    # False: guided by CFG (2B rows, always). True: guidance-distilled, B rows and no negative prompt,
-    # unless sampler.true_cfg_scale > 1 asks for diffusers' true CFG (the adapter's `with_true_cfg`).
+    # False: guided by CFG, 2B rows where sampler.guidance_scale > 1 (else B rows and no negative prompt,
+    # as diffusers' pipelines: the adapter's `without_cfg`). True: guidance-distilled, B rows and no
+    # negative prompt, unless sampler.true_cfg_scale > 1 asks for diffusers' true CFG (`with_true_cfg`).
     DISTILLED: bool
 
     def limits(self, source: Source, cfg: ModelConfig) -> tuple[int, int]:
@@ -179,6 +182,18 @@ class TransformerVAE:
         self.scheduler_class = scheduler_class
         self.scheduler_config = dict(scheduler_config)
         self.max_side = max_side
+
+    @property
+    def cfg_rows(self) -> int:
+        """Conditioning entries per row (`uses_cfg`): 2, [negative, positive]; 1, the prompt."""
+        return 2 if self.uses_cfg else 1
+
+    def without_cfg(self):
+        """This adapter over the same modules, one forward over the prompts alone (B rows): where
+        sampler.guidance_scale is at most 1, diffusers' pipelines run no classifier-free guidance."""
+        plain = copy.copy(self)
+        plain.uses_cfg = False
+        return plain
 
     def new_scheduler(self):
         """A fresh scheduler per batch: diffusers' schedulers keep per-run state (step index, history)."""

@@ -32,7 +32,7 @@ from pipeline.models.source import (
 
 PIPELINES = pipelines_of("dit")
 TRANSFORMER = DiTTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
-DISTILLED = False  # guided by CFG: every step runs the class and the null class (2B rows)
+DISTILLED = False  # guided by CFG: above guidance 1 every step runs the class and the null class (2B rows)
 NULL_CLASS = 1000  # diffusers' DiTPipeline: the "no class" label for the unconditional half of CFG
 
 
@@ -70,20 +70,23 @@ class DiTAdapter(TransformerVAE):
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
-            "y": InputSpec((2,), torch.int64, fill=NULL_CLASS),  # [negative (null), class]
+            "y": InputSpec((self.cfg_rows,), torch.int64, fill=NULL_CLASS),  # [negative (null), class], or [class]
         }
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One CFG step, graph-safe: x [B,C,h,w], t [B], g [B], y [B,2] -> eps [B,C,h,w]. One forward
-        over [class; null] (2B rows, diffusers' order), guidance on the first C channels."""
+        """One step, graph-safe: x [B,C,h,w], t [B], g [B], y [B,K] -> eps [B,C,h,w]. K = 2: one
+        forward over [class; null] (2B rows, diffusers' order), guidance on the first C channels;
+        K = 1 (no CFG): one forward over the classes."""
         x, t, g, y = inputs["x"], inputs["t"], inputs["g"], inputs["y"]
-        b, c = x.shape[:2]
+        (b, c), k = x.shape[:2], y.shape[1]
         out = self.transformer(
-            torch.cat([x, x]),
-            timestep=torch.cat([t, t]),
-            class_labels=torch.cat([y[:, 1], y[:, 0]]),
+            torch.cat([x] * k),
+            timestep=torch.cat([t] * k),
+            class_labels=torch.cat([y[:, 1], y[:, 0]]) if k == 2 else y[:, 0],
             return_dict=False,
         )[0]
+        if k == 1:
+            return out[:, :c].to(x.dtype)
         cond, uncond = out[:, :c].chunk(2)
         return (uncond + g.view(b, 1, 1, 1) * (cond - uncond)).to(x.dtype)
 

@@ -34,7 +34,7 @@ from pipeline.transfer import to_device
 SIGMA, ALPHA = "PixArtSigmaPipeline", "PixArtAlphaPipeline"
 PIPELINES = pipelines_of("pixart")
 TRANSFORMER = PixArtTransformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
-DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
+DISTILLED = False  # guided by CFG: above guidance 1 every step runs [negative; positive] (2B rows)
 
 
 def clean_prompts(prompts: Iterable[str]) -> list[str]:
@@ -138,9 +138,9 @@ class PixArtAdapter(TransformerVAE):
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
-            "emb": InputSpec((2, length, dim), self.dtype),
+            "emb": InputSpec((self.cfg_rows, length, dim), self.dtype),
             # Padded rows attend to one token, never to none (an all-masked row is NaN in softmax).
-            "mask": InputSpec((2, length), torch.int64, fill=1),
+            "mask": InputSpec((self.cfg_rows, length), torch.int64, fill=1),
         }
         if self.micro_conditions:
             specs["resolution"] = InputSpec((2,), self.dtype, fill=1.0)
@@ -148,29 +148,32 @@ class PixArtAdapter(TransformerVAE):
         return specs
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One CFG step, graph-safe: x [B,C,h,w], t [B], g [B], emb [B,2,L,D], mask [B,2,L]
-        (+ resolution [B,2], aspect_ratio [B,1] for Alpha at 1024 px) -> eps [B,C,h,w].
+        """One step, graph-safe: x [B,C,h,w], t [B], g [B], emb [B,K,L,D], mask [B,K,L] (+ resolution
+        [B,2], aspect_ratio [B,1] for Alpha at 1024 px) -> eps [B,C,h,w].
 
-        One transformer forward over [uncond; cond] (2B rows), the guidance combine in the same
-        region; t and g are tensors so a captured graph reads their current values at replay.
+        K = 2: one transformer forward over [uncond; cond] (2B rows), the guidance combine in the
+        same region; K = 1 (no CFG): one forward over the prompts. t and g are tensors so a captured
+        graph reads their current values at replay.
         """
         x, t, g = inputs["x"], inputs["t"], inputs["g"]
-        b = x.shape[0]
-        emb = inputs["emb"].transpose(0, 1).reshape(2 * b, *inputs["emb"].shape[2:])
-        mask = inputs["mask"].transpose(0, 1).reshape(2 * b, -1)
+        b, k = x.shape[0], inputs["emb"].shape[1]
+        emb = inputs["emb"].transpose(0, 1).reshape(k * b, *inputs["emb"].shape[2:])
+        mask = inputs["mask"].transpose(0, 1).reshape(k * b, -1)
         added = {"resolution": None, "aspect_ratio": None}
         if self.micro_conditions:
-            added = {k: torch.cat([inputs[k], inputs[k]]) for k in added}
+            added = {name: torch.cat([inputs[name]] * k) for name in added}
         out = self.transformer(
-            torch.cat([x, x]),
+            torch.cat([x] * k),
             encoder_hidden_states=emb,
             encoder_attention_mask=mask,
-            timestep=torch.cat([t, t]),
+            timestep=torch.cat([t] * k),
             added_cond_kwargs=added,
             return_dict=False,
         )[0]
         if self.learned_sigma:
             out = out[:, : self.latent_channels]
+        if k == 1:
+            return out.to(x.dtype)
         uncond, cond = out.chunk(2)
         g = g.view(b, 1, 1, 1)
         return (uncond + g * (cond - uncond)).to(x.dtype)

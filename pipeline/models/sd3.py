@@ -37,7 +37,7 @@ from pipeline.transfer import to_device
 
 PIPELINES = pipelines_of("sd3")
 TRANSFORMER = SD3Transformer2DModel  # its config keys (patch_size, heads, head dim) and their defaults
-DISTILLED = False  # guided by CFG: every step runs [negative; positive] (2B rows)
+DISTILLED = False  # guided by CFG: above guidance 1 every step runs [negative; positive] (2B rows)
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default T5 tokens per prompt
 CLIPS = ("text_encoder", "text_encoder_2")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
@@ -90,24 +90,28 @@ class SD3Adapter(TextEncodedVAE):
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
-            "emb": InputSpec((2, self.clip_length + self.max_sequence_length, cfg.joint_attention_dim), self.dtype),
-            "pooled": InputSpec((2, cfg.pooled_projection_dim), self.dtype),
+            "emb": InputSpec((self.cfg_rows, self.clip_length + self.max_sequence_length, cfg.joint_attention_dim),
+                             self.dtype),
+            "pooled": InputSpec((self.cfg_rows, cfg.pooled_projection_dim), self.dtype),
         }
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One CFG step, graph-safe: x [B,C,h,w], t [B] (sigma x 1000), g [B], emb [B,2,S,D],
-        pooled [B,2,P] -> velocity [B,C,h,w]; one forward over [uncond; cond] (2B rows)."""
+        """One step, graph-safe: x [B,C,h,w], t [B] (sigma x 1000), g [B], emb [B,K,S,D], pooled
+        [B,K,P] -> velocity [B,C,h,w]; K = 2: one forward over [uncond; cond] (2B rows) and the
+        guidance combine; K = 1 (no CFG): one forward over the prompts."""
         x, t, g = inputs["x"], inputs["t"], inputs["g"]
-        b = x.shape[0]
-        emb = inputs["emb"].transpose(0, 1).reshape(2 * b, *inputs["emb"].shape[2:])
-        pooled = inputs["pooled"].transpose(0, 1).reshape(2 * b, -1)
+        b, k = x.shape[0], inputs["emb"].shape[1]
+        emb = inputs["emb"].transpose(0, 1).reshape(k * b, *inputs["emb"].shape[2:])
+        pooled = inputs["pooled"].transpose(0, 1).reshape(k * b, -1)
         out = self.transformer(
-            hidden_states=torch.cat([x, x]),
-            timestep=torch.cat([t, t]),
+            hidden_states=torch.cat([x] * k),
+            timestep=torch.cat([t] * k),
             encoder_hidden_states=emb,
             pooled_projections=pooled,
             return_dict=False,
         )[0]
+        if k == 1:
+            return out.to(x.dtype)
         uncond, cond = out.chunk(2)
         return (uncond + g.view(b, 1, 1, 1) * (cond - uncond)).to(x.dtype)
 
