@@ -589,7 +589,7 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
         model=built.adapter.name,
         bcg=engine.metrics.report(),
         prompt_cache=PromptCacheCounts(encoded=prompts.encoded, hits=prompts.hits, calls=prompts.calls,
-                                       padding=prompts.padding),
+                                       padding=prompts.padding, cut=prompts.cut),
         writer_busy_s=generated.writer_busy_s,
         output=generated.output,
         gpu_busy=generated.gpu_busy,

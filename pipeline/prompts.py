@@ -35,6 +35,8 @@ ENCODE_TOKENS = 4096  # text tokens per text-encoder call by default
 MOST_PER_CALL = 64  # prompts per call by default at most (short texts; a family without text encoder)
 # a text length (None: the family's one) -> prompts per text-encoder call
 ChunkFn = Callable[["int | None"], int]
+# texts -> per text encoder, its token limit and the indexes of the texts it cuts (Adapter.text_cuts)
+CutsFn = Callable[[list], "dict[str, tuple[int, list[int]]]"]
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +77,12 @@ class PromptCache:
         store: torch.device | None = None,
         out: torch.device | None = None,
         lengths: LengthsFn | None = None,
+        cuts: CutsFn | None = None,
     ):
         """`chunk`: prompts per encoder call, or a function of their text length giving it; `store`:
         where cached tensors live (None: where `encode` puts them); `out`: where `get` returns them
-        (None: where they are stored); `lengths`: the text length of each prompt (None: one for all)."""
+        (None: where they are stored); `lengths`: the text length of each prompt (None: one for all);
+        `cuts`: which texts a text encoder cuts to its token limit (counted in `cut`, the first said)."""
         if capacity < 1 or (isinstance(chunk, int) and chunk < 1):
             raise UserError(f"prompt chunk ({chunk}) and cache capacity ({capacity}) must be >= 1")
         self.encode = encode
@@ -94,6 +98,8 @@ class PromptCache:
         self.encoded = 0
         self.calls = 0
         self.padding = 0  # empty prompts that filled short chunks
+        self.cuts = cuts
+        self.cut: dict[str, int] = {}  # text encoder -> texts encoded that it cut to its token limit
 
     def encode_length(self, prompt: str) -> int | None:
         """The text tokens `prompt` is encoded at (None: the family's one length)."""
@@ -177,6 +183,22 @@ class PromptCache:
                 row = {name: t.to(self.store) for name, t in row.items()}
             self.cache[p] = row
         self.encoded += len(prompts)
+        self._count_cuts(prompts)
+
+    def _count_cuts(self, prompts: list[str]) -> None:
+        """Count the texts each text encoder cut; say so the first time one does (diffusers does too)."""
+        for encoder, (limit, cut) in (self.cuts(prompts) if self.cuts is not None else {}).items():
+            if cut and encoder not in self.cut:
+                log.warning("prompts: texts longer than %s's %d tokens are cut to them, as diffusers' pipeline cuts "
+                            "them (the first: %r); stats.json's prompt_cache.cut counts them per text encoder",
+                            encoder, limit, short(prompts[cut[0]]))
+            if cut:
+                self.cut[encoder] = self.cut.get(encoder, 0) + len(cut)
+
+
+def short(text: str, most: int = 60) -> str:
+    """`text`, or its first `most` characters and an ellipsis."""
+    return text if len(text) <= most else text[:most] + "..."
 
 
 def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -211,7 +233,7 @@ def prompt_cache(adapter: Adapter, batches: list, fixed: int | None, capacity: i
     # with offload: every prompt kept, in host memory, handed out on the device
     cache = PromptCache(adapter.encode, chunk, max(capacity, len(set(order))) if offload else capacity,
                         store=torch.device("cpu") if offload else None, out=adapter.device if offload else None,
-                        lengths=adapter.prompt_lengths)
+                        lengths=adapter.prompt_lengths, cuts=adapter.text_cuts)
     cache.schedule(order)  # learns every prompt's length (before the tokenizer goes with the text encoder)
     sizes = sorted({chunk(length) for length in cache.upcoming})
     log.info("prompts: %s per text-encoder call%s", ", ".join(map(str, sizes)),

@@ -63,6 +63,7 @@ class PromptCacheCounts:
     hits: int  # prompts asked for and found encoded
     calls: int = 0  # text-encoder calls
     padding: int = 0  # empty prompts that filled their short chunks
+    cut: dict[str, int] = field(default_factory=dict)  # text encoder -> texts encoded that it cut to its token limit
 
 
 @dataclass(frozen=True, kw_only=True)

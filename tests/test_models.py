@@ -343,3 +343,24 @@ def test_a_cfg_family_at_guidance_at_most_one_runs_one_forward_per_row_and_takes
     assert ("row 1 (id 'b'): negative_prompt 'blurry' has no use at sampler.guidance_scale=1.0 (at most 1: no "
             "classifier-free guidance, one forward per row, as diffusers' pipeline runs it); leave it null, or set "
             "sampler.guidance_scale above 1") in str(refused.value)
+
+
+def test_texts_a_text_encoder_cuts_are_counted_per_encoder_and_said_once(tmp_path, caplog):
+    """As diffusers, a prompt longer than a text encoder's token limit is cut to it; the job says so
+    the first time each encoder cuts one and counts the texts each cut (stats.json's prompt_cache.cut)."""
+    t5_only, every = "a" * 70, "b" * 100  # 72 CLIP tokens (fits 77), 71 T5 tokens (over 64); over both
+    table = [{"id": i, "prompt": p, "width": 64, "height": 64, "seed": s}
+             for i, p, s in (("short", "a cat", 1), ("long", t5_only, 2), ("longer", every, 3), ("again", every, 4))]
+    manifest = write_manifest(tmp_path / "m.parquet", table)
+    with caplog.at_level("WARNING", logger="pipeline.prompts"):
+        report = run(cpu_job(manifest, tmp_path / "out", "model=tiny_sd3", "model.max_sequence_length=64",
+                             "sampler.steps=2"))
+    assert report["images"]["ok"] == 4
+    assert report["prompt_cache"]["cut"] == {"CLIP-L": 1, "CLIP-G": 1, "T5": 2}  # each text encoded once
+    said = [r.getMessage() for r in caplog.records if "are cut to them" in r.getMessage()]
+    assert len(said) == 3 and any(m.startswith("prompts: texts longer than T5's 64 tokens") for m in said), said
+    report = run(cpu_job(manifest, tmp_path / "pixart", "model=tiny", "sampler.steps=2"))
+    assert report["prompt_cache"]["cut"] == {"T5": 2}  # the tiny PixArt's T5 takes 32 tokens
+    report = run(cpu_job(manifest, tmp_path / "pixart-long", "model=tiny", "model.max_sequence_length=128",
+                         "sampler.steps=2"))
+    assert report["prompt_cache"]["cut"] == {}

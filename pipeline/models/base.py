@@ -62,6 +62,10 @@ class Adapter(Protocol):
         """The tokens a prompt encoded at `length` (a `prompt_lengths` length; None: the family's
         fixed one) takes in its longest text encoder; None: no text encoder (class labels)."""
 
+    def text_cuts(self, texts: list[str]) -> dict[str, tuple[int, list[int]]]:
+        """Per text encoder (CLIP-L, T5, ...): its token limit and the indexes of `texts` longer than
+        that, which `encode` cuts to it, as diffusers' pipelines do; {} without a text encoder."""
+
     def size_inputs(self, height: int, width: int, n: int) -> dict[str, torch.Tensor]:
         """Per-row inputs that depend on the image size alone (PixArt-Alpha's resolution and aspect
         ratio micro-conditions), each [n, ...] on `device`; {} for most families. They are inputs,
@@ -155,6 +159,13 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def cut_texts(tokenizer, texts: list[str], length: int) -> list[int]:
+    """The indexes of `texts` longer than `length` tokens (special tokens counted), which
+    `pipeline.models.tokenizer.pad_tokens` cuts to it, as diffusers' pipelines do."""
+    ids = tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    return [i for i, row in enumerate(ids) if len(row) > length]
+
+
 def batch_text_length(lengths: Iterable[int | None] | None) -> int | None:
     """A batch's text length from its texts' own (`prompt_lengths`): the longest; None where they have
     none (the family's one length)."""
@@ -218,6 +229,9 @@ class TransformerVAE:
     def text_tokens(self, length: int | None) -> int | None:
         return length or self.max_sequence_length
 
+    def text_cuts(self, texts: list[str]) -> dict[str, tuple[int, list[int]]]:
+        return {}
+
     def trim_text(self, cond: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         return cond
 
@@ -258,6 +272,9 @@ class TextEncodedVAE(TransformerVAE):
     tokenizer's model_max_length, as diffusers does, and T5's to `max_sequence_length`."""
 
     MAX_SEQUENCE_LENGTH: int  # the family's default T5 tokens per prompt (model.max_sequence_length null)
+    # what users call each text encoder -> its (text_encoder, tokenizer) names; T5 takes max_sequence_length
+    # tokens, a CLIP the first tokenizer's model_max_length
+    ENCODER_NAMES: dict[str, tuple[str, str]]
 
     def __init__(self, name: str, transformer: torch.nn.Module, vae: torch.nn.Module,
                  text_encoders: dict[str, torch.nn.Module | None], tokenizers: dict[str, Any], scheduler_class: str,
@@ -276,6 +293,14 @@ class TextEncodedVAE(TransformerVAE):
         scheduler_class, scheduler_config = source.scheduler
         return cls(name, modules["transformer"], modules["vae"], {e: modules.get(e) for e in encoders}, tokenizers,
                    scheduler_class, scheduler_config, cfg.max_sequence_length, max_side, source.pipeline)
+
+    def text_cuts(self, texts: list[str]) -> dict[str, tuple[int, list[int]]]:
+        cuts = {}
+        for label, (encoder, tokenizer) in self.ENCODER_NAMES.items():
+            if self.text_encoders.get(encoder) is not None and self.tokenizers.get(tokenizer) is not None:
+                limit = self.max_sequence_length if label == "T5" else self.clip_length
+                cuts[label] = (limit, cut_texts(self.tokenizers[tokenizer], texts, limit))
+        return cuts
 
     def release_text_encoders(self) -> None:
         """In place, so that a copy over the same modules (Flux's true CFG) and the adapter it came

@@ -57,6 +57,7 @@ class FluxAdapter(TextEncodedVAE):
     family = "flux"
     uses_cfg = False  # with_true_cfg: True
     MAX_SEQUENCE_LENGTH = MAX_SEQUENCE_LENGTH
+    ENCODER_NAMES = {"CLIP-L": ("text_encoder", "tokenizer"), "T5": ("text_encoder_2", "tokenizer_2")}
     true_cfg_scale: torch.Tensor | None = None  # float32 [1] on the device, with_true_cfg only
 
     @property

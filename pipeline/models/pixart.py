@@ -19,7 +19,7 @@ from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
 from pipeline.model_info import pipelines_of
-from pipeline.models.base import TransformerVAE, free_memory, pipeline_over, released_message
+from pipeline.models.base import TransformerVAE, cut_texts, free_memory, pipeline_over, released_message
 from pipeline.models.source import (
     Source,
     config_value,
@@ -89,6 +89,11 @@ class PixArtAdapter(TransformerVAE):
         encoder_device = self.text_encoder.device
         emb = self.text_encoder(to_device(tokens.input_ids, encoder_device), attention_mask=mask.to(encoder_device))[0]
         return {"emb": emb.to(self.device, self.dtype), "mask": mask}
+
+    def text_cuts(self, texts: list[str]) -> dict[str, tuple[int, list[int]]]:
+        if self.text_encoder is None:
+            return {}
+        return {"T5": (self.max_sequence_length, cut_texts(self.tokenizer, clean_prompts(texts), self.max_sequence_length))}
 
     def prompt_lengths(self, texts: Sequence[str]) -> list[int] | None:
         """With kernels.trim_text_padding, the tokens each text is encoded at: its own (special tokens

@@ -49,6 +49,8 @@ class SD3Adapter(TextEncodedVAE):
 
     family = "sd3"
     MAX_SEQUENCE_LENGTH = MAX_SEQUENCE_LENGTH
+    ENCODER_NAMES = {"CLIP-L": ("text_encoder", "tokenizer"), "CLIP-G": ("text_encoder_2", "tokenizer_2"),
+                     "T5": ("text_encoder_3", "tokenizer_3")}
 
     @property
     def granularity(self) -> int:
