@@ -78,6 +78,10 @@ class KernelSettings:
     compile_decoder: bool = False
     # Latents per decoder call with either (the last chunk padded): one is the fastest per image measured.
     decode_chunk: int = 1
+    # With compile_scope=blocks: each kind of block's compiled code (dynamo's trace, its guards, inductor's
+    # kernels) saved whole in the kernel cache by the process that compiles it (torch's aot_compile), and
+    # loaded by later ones instead of traced again.
+    precompile: bool = False
     # Where inductor keeps what it compiled (null: the user's cache, pipeline.kernels.compile.user_cache).
     # Not a plan's to set.
     compile_cache_dir: Optional[str] = None

@@ -213,3 +213,37 @@ def test_a_job_imports_no_scikit_learn():
     probe = run_python("-c", "import sys, pipeline.job, pipeline.bench, pipeline.run; print('sklearn' in sys.modules)")
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split() == ["False"]
+
+
+PRECOMPILED = ("model=tiny_sd3", "kernels.compile=true", "kernels.compile_scope=blocks", "kernels.fuse_qkv=true",
+               "kernels.precompile=true")  # SD3's own blocks, compiled by regions and saved whole
+
+
+def test_precompiled_blocks_are_saved_by_the_first_process_and_loaded_untraced_by_the_next(tmp_path):
+    """kernels.precompile: the first job compiles each kind of block ahead of time and saves it in the
+    kernel cache; a job in another process on other rows loads it, traces nothing, and makes the same
+    bytes for the rows both made. diffusers' blocks cannot be saved: said once, traced as without it."""
+    cache = tmp_path / "cache"
+    first = write_manifest(tmp_path / "first.parquet", SIZES[:3])
+    later = write_manifest(tmp_path / "later.parquet", SIZES[:2] + SIZES[3:])
+    args = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", *SMALL, *PRECOMPILED)
+    env = dict(os.environ, BCG_CACHE_DIR=str(cache))
+    for manifest, out in ((first, tmp_path / "first"), (later, tmp_path / "later")):
+        proc = run_python("-m", "pipeline.run", "+job=dataset", f"manifest.path={manifest}", f"output.dir={out}", *args,
+                          env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    saved, loaded = (stats(tmp_path / name)["kernels"] for name in ("first", "later"))
+    kinds = saved["precompiled"]["compiled"]
+    assert kinds and saved["precompiled"]["loaded"] == [] and saved["compiled_graphs"] == len(kinds)
+    assert sorted(p.stem for p in cache.rglob("*.aot")) == sorted(kinds)
+    assert loaded["precompiled"]["loaded"] == kinds and loaded["precompiled"]["compiled"] == []
+    assert loaded["compiled_graphs"] == 0  # nothing traced
+    both = {f"{r['id']}.png" for r in SIZES[:2]}
+    assert {k: v for k, v in images(tmp_path / "first").items() if k in both} == \
+        {k: v for k, v in images(tmp_path / "later").items() if k in both}
+
+    pixart = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+    report = apply_kernels(KernelSettings(compile=True, compile_scope="blocks", precompile=True), pixart, None, shapes=1)
+    assert "this model runs diffusers' blocks" in report["precompiled"]["unsupported"]
+    with pytest.raises(UserError, match="kernels.precompile saves the compiled blocks of a regional compile"):
+        check_kernels(KernelSettings(compile=True, precompile=True))

@@ -11,7 +11,7 @@ for what diffusers' modules do not compute, the transformer is replaced by the p
   float8 blocks' residual adds, norms and quantizations
 - qkv: diffusers' fused projections (PixArt); text: kernels.trim_text_padding
 - compile: inductor (mode, tuning, the cache, the shapes it first compiles, workers, counts);
-  reductions: its persistent reductions; decoder: the VAE decoder's kernels (group_norm: its fused group
+  reductions: its persistent reductions; precompile: the compiled blocks saved whole and loaded; decoder: the VAE decoder's kernels (group_norm: its fused group
   norms, or inductor's compile)
 
 Which settings go together is stated once, as data (SUPPORTED_FAMILIES, FAMILY_REQUIRES, EXCLUDES, REQUIRES,
@@ -30,7 +30,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.kernels import attention, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm, qkv, text
-from pipeline.kernels import group_norm, residual_rows
+from pipeline.kernels import group_norm, precompile, residual_rows
 from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
@@ -145,7 +145,7 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
 
 
 # each option's refusals that the tables do not state (values, packages, the device's features)
-CHECKS = (attention.check, compile.check, decoder.check, check)
+CHECKS = (attention.check, compile.check, precompile.check, decoder.check, check)
 
 
 def check_kernels(kernels: KernelSettings, family: str | None = None, device: torch.device | None = None) -> None:
@@ -229,6 +229,8 @@ def output_kernels(kernels: KernelSettings) -> dict:
             out["compile_scope"] = kernels.compile_scope
         if kernels.compile_dynamic:  # the shapes its kernels are generated for
             out["compiled_for"] = compile.CANONICAL
+        if kernels.precompile:  # aot_compile's trace, whose kernels are not known to be the JIT compile's
+            out["precompile"] = True
     if decoder.on(kernels):  # the chunk is the decoder's batch: its kernels, its rounding
         out["decode_chunk"] = kernels.decode_chunk
     if kernels.fuse_decoder:  # its kernels' block sizes set a group's reduction

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from types import MethodType
@@ -37,7 +38,7 @@ import torch
 from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS
 from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
-from pipeline.kernels import reductions
+from pipeline.kernels import precompile, reductions
 from pipeline.process_state import saved_environ
 
 if TYPE_CHECKING:
@@ -85,8 +86,9 @@ def apply(kernels: KernelSettings, adapter: Adapter, shapes: int) -> dict:
                       compile_dynamic=kernels.compile_dynamic, compile_scope=kernels.compile_scope)
         if kernels.persistent_reductions:
             report.update(persistent_reductions=reductions.MAX_VALUES)
-        compile_transformer(adapter.transformer, kernels.compile_mode, kernels.compile_tuning, shapes,
-                            kernels.compile_dynamic, kernels.compile_scope, kernels.persistent_reductions)
+        report.update(compile_transformer(adapter.transformer, kernels.compile_mode, kernels.compile_tuning, shapes,
+                                          kernels.compile_dynamic, kernels.compile_scope, kernels.persistent_reductions,
+                                          kernels.precompile))
         if kernels.compile_dynamic and kernels.compile_scope != "norms":
             adapter.guided_eps = CanonicalFirstCalls(adapter)
             report.update(compiled_for=CANONICAL)
@@ -140,32 +142,45 @@ def not_reproducible(kernels: KernelSettings) -> str | None:
 
 
 def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, shapes: int, dynamic: bool,
-                        scope: str = "model", persistent: bool = False) -> None:
+                        scope: str = "model", persistent: bool = False, saved: bool = False) -> dict:
     """Compile this transformer instance in place with inductor (see the module's docstring for
     `scope` and `tuning`). `dynamic`: one compilation with symbolic batch and token counts serves every
     (resolution, bucket) (see broadcast_attention_masks, contiguous_block_input); else one per shape.
     `shapes` raises dynamo's recompile limit so that no shape silently falls back to eager, and
     TRACED_ONCE applies (process-wide settings: the job puts them back when it ends,
     pipeline.process_state). `persistent`: kernels.persistent_reductions (pipeline.kernels.reductions).
-    `norms`: nothing here (PixArt's own blocks compiled theirs when built)."""
+    `norms`: nothing here (PixArt's own blocks compiled theirs when built). `saved`: kernels.precompile
+    (pipeline.kernels.precompile), whose counts (loaded, compiled) the returned report holds as they grow."""
     how = compile_options(mode, tuning, persistent)
     if scope not in COMPILE_SCOPES:
         raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
     compile_limits(shapes)
     if scope == "norms":
-        return
+        return {}
     owned = hasattr(transformer, "repeated_blocks")  # our own blocks (pipeline.blocks): contiguous, no masks
     if dynamic and not owned:
         broadcast_attention_masks(transformer)
+    report: dict = {}
     if scope == "blocks":
         if not owned:
             contiguous_block_input(transformer)
-        for block in repeated_blocks(transformer):
-            block.compile(dynamic=dynamic, fullgraph=True, **how)
+        why = precompile.unsupported(owned) if saved else None
+        if why:
+            log.warning("kernels.precompile: %s; the blocks are traced in every process, as without it", why)
+            report["precompiled"] = {"unsupported": why}
+        if saved and not why:
+            directory = Path(os.environ.get(CACHE_ENV[0]) or tempfile.mkdtemp(prefix="bcg-precompiled-")) / "precompiled"
+            blocks = precompile.SavedBlocks(repeated_blocks(transformer), directory, how["options"])
+            report["precompiled"] = blocks.counts
+        else:
+            for block in repeated_blocks(transformer):
+                block.compile(dynamic=dynamic, fullgraph=True, **how)
     else:
         transformer.compile(dynamic=dynamic, fullgraph=True, **how)
-    log.info("kernels: transformer %s compiled with inductor (mode=%s, tuning %s, %s shapes, no inductor CUDA graphs)",
-             scope, mode, tuning, "dynamic" if dynamic else "static")
+    log.info("kernels: transformer %s compiled with inductor (mode=%s, tuning %s, %s shapes, no inductor CUDA graphs%s)",
+             scope, mode, tuning, "dynamic" if dynamic else "static",
+             ", each kind saved whole" if "loaded" in report.get("precompiled", {}) else "")
+    return report
 
 
 def compile_limits(shapes: int) -> None:

@@ -1,0 +1,168 @@
+"""kernels.precompile: each kind of compiled block saved whole in the kernel cache and loaded by later
+processes instead of traced again.
+
+A regional compile (`compile_scope=blocks`) traces each kind of block with dynamo in every process,
+a warm one too: inductor's cache spares it the kernels' code generation, not the trace. Here the
+first process compiles each kind ahead of time with torch's `aot_compile` (the trace, its guards and
+inductor's code in one artifact) and saves it beside the other kernels (pipeline.kernels.compile's
+cache directory); a later process loads it and traces nothing.
+
+A kind is the block's class and whether it runs one row or more (dynamo specializes a batch of 1).
+Its first call is made at the canonical shapes (pipeline.kernels.compile.CanonicalFirstCalls), so its
+kernels are generated for those sizes whichever process compiles them, as the JIT compile's are;
+every other dimension of more than one element is symbolic, as under `compile_dynamic`. Every block
+of a kind calls the same compiled function with its own weights (they are its inputs). An artifact is
+keyed by what its code depends on: the kind, the weights' shapes and dtypes, the inputs' dtypes and
+ranks, the compile options, torch's version and the source of the blocks and kernels that it traced.
+
+Guards that name objects (the block instance, its modules) cannot be saved and are dropped
+(`torch.compiler.keep_portable_guards_unsafe`): the blocks are ours, their calls come from our
+forward only, and the tensor guards (dtypes, devices, ranks, the symbolic sizes' bounds) stay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("blocks", "kernels")  # pipeline's packages whose code a block's trace reads
+TORCH_API = ("load_compiled_function", "keep_portable_guards_unsafe")  # torch.compiler's, that this needs
+
+
+def unsupported(owned: bool) -> str | None:
+    """Why these blocks cannot be saved compiled (`owned`: the project's own, pipeline.blocks), or None.
+    diffusers' blocks carry per-instance methods (pipeline.kernels.compile.broadcast_attention_masks)
+    that dynamo's saved guards cannot name."""
+    missing = [name for name in TORCH_API if not hasattr(torch.compiler, name)]
+    if missing:
+        return f"torch {torch.__version__} has no torch.compiler.{', '.join(missing)} (aot_compile's API)"
+    if not owned:
+        return "it saves the project's own blocks (the flux and sd3 plans'), and this model runs diffusers' blocks"
+    return None
+
+
+def check(kernels, device: torch.device | None) -> None:
+    """kernels.precompile needs a regional compile with symbolic sizes (one artifact per kind)."""
+    if kernels.precompile and not (kernels.compile and kernels.compile_scope == "blocks" and kernels.compile_dynamic):
+        raise UserError("kernels.precompile saves the compiled blocks of a regional compile with symbolic sizes: it "
+                        "needs kernels.compile=true, kernels.compile_scope=blocks and kernels.compile_dynamic=true; "
+                        "set those, or kernels.precompile=false")
+
+
+def source_digest() -> str:
+    """A digest of the code a block's trace reads (our blocks and kernels), so that an edited checkout
+    never loads code compiled from the old one."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for package in SOURCES:
+        for path in sorted((root / package).glob("*.py")):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def describe(value: Any) -> Any:
+    """What of a block's input its compiled code depends on: a tensor's dtype and rank (its sizes are
+    symbolic), anything else as it is (dicts and tuples of them item by item)."""
+    if torch.is_tensor(value):
+        return [str(value.dtype), value.dim()]
+    if isinstance(value, (tuple, list)):
+        return [describe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: describe(v) for k, v in value.items()}
+    return repr(value)
+
+
+class SavedBlocks:
+    """The repeated blocks of one transformer, each kind's calls served by one compiled function:
+    loaded from `directory` where an earlier process saved it, else compiled at the kind's first call
+    and saved there. `options`: inductor's (pipeline.kernels.compile.compile_options)."""
+
+    def __init__(self, blocks: list[torch.nn.Module], directory: Path, options: dict):
+        self.directory = directory
+        self.options = options
+        self.calls: dict[tuple, Callable] = {}  # (kind, rows, inputs) -> its compiled function
+        # the artifacts loaded and compiled so far (the job's stats hold this dict and see it grow)
+        self.counts: dict[str, Any] = {"loaded": [], "compiled": [], "load_s": 0.0, "compile_s": 0.0}
+        self.sources = source_digest()
+        for block in blocks:
+            block.forward = self._serving(block)  # the instance's: the class keeps its forward
+
+    def _serving(self, block: torch.nn.Module) -> Callable:
+        kind = json.dumps({"kind": type(block).__qualname__,
+                           "weights": [(name, list(t.shape), str(t.dtype)) for name, t in block.state_dict().items()]})
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            inputs = [*args, *kwargs.values()]
+            rows = "rows1" if next(a for a in inputs if torch.is_tensor(a)).shape[0] == 1 else "rows"
+            call = (kind, rows, repr([(name, describe(a)) for name, a in [*enumerate(args), *kwargs.items()]]))
+            fn = self.calls.get(call)
+            if fn is None:
+                fn = self.calls[call] = self._load_or_compile(self.key(type(block).__name__, *call), block, args, kwargs)
+            return fn(block, *args, **kwargs)
+        return forward
+
+    def key(self, name: str, kind: str, rows: str, inputs: str) -> str:
+        """The artifact's name: the block's class, one row or more (the block's first tensor input), and
+        a digest of everything its code depends on (its weights' shapes, its inputs' dtypes and ranks)."""
+        what = [kind, rows, inputs, self.options, torch.__version__, self.sources]
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return f"{name}-{rows}-{digest}"
+
+    def _load_or_compile(self, key: str, block: torch.nn.Module, args: tuple, kwargs: dict) -> Callable:
+        path = self.directory / f"{key}.aot"
+        start = time.perf_counter()
+        fn, how = self._load(path), "load"
+        if fn is None:
+            fn, how = self._compile(block, args, kwargs), "compile"
+            self._save(fn, path)
+        self.counts["loaded" if how == "load" else "compiled"].append(key)
+        self.counts[f"{how}_s"] = round(self.counts[f"{how}_s"] + time.perf_counter() - start, 3)
+        return fn
+
+    def _load(self, path: Path) -> Callable | None:
+        if not path.exists():
+            return None
+        try:
+            with path.open("rb") as f:
+                return torch.compiler.load_compiled_function(f)
+        except (OSError, RuntimeError, EOFError, ValueError) as err:  # unreadable: compiled again, said once
+            log.warning("kernels.precompile: %s cannot be loaded (%s: %s); compiling it again", path.name,
+                        type(err).__name__, str(err)[:200])
+            return None
+
+    def _compile(self, block: torch.nn.Module, args: tuple, kwargs: dict) -> Callable:
+        """aot_compile at these (the canonical) shapes, every dimension of more than one element symbolic."""
+        for a in [*args, *kwargs.values()]:
+            if torch.is_tensor(a):
+                for dim, size in enumerate(a.shape):
+                    if size > 1:
+                        torch._dynamo.maybe_mark_dynamic(a, dim)
+        options = {**self.options, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+        serving = block.__dict__.pop("forward")  # the class's forward, traced; the block as its `self`
+        try:
+            return torch.compile(block, fullgraph=True, dynamic=True, options=options).forward.aot_compile((args, kwargs))
+        finally:
+            block.forward = serving
+
+    def _save(self, fn: Any, path: Path) -> None:
+        """Written whole or not at all (a temporary file renamed); a failed write costs a later process
+        a compile, nothing else."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            fn.save_compiled_function(str(temporary))
+            os.replace(temporary, path)
+        except OSError as err:
+            log.warning("kernels.precompile: %s not saved (%s); a later process compiles it again", path.name, err)
+            temporary.unlink(missing_ok=True)
