@@ -298,8 +298,39 @@ def convert_hint(path: str | os.PathLike) -> str:
     columns = {**REQUIRED_COLUMNS, **OPTIONAL_COLUMNS}
     text = ", ".join(f"{c!r}: pyarrow.string()" for c, kind in columns.items() if kind in (TEXT, OPTIONAL_TEXT))
     return (f"; it looks like {path.suffix[1:].upper()}: convert it with `import pyarrow, pyarrow.csv, pyarrow.json, "
-            f"pyarrow.parquet; TEXT = {{{text}}}; pyarrow.parquet.write_table({reader.format(name=path.name)}, "
-            f"{path.stem + '.parquet'!r})`")
+            f"pyarrow.parquet; TEXT = {{{text}}}; pyarrow.parquet.write_table({reader.format(name=str(path))}, "
+            f"{str(path.with_suffix('.parquet'))!r})`")
+
+
+PROMPT_NAMES = ("caption", "text", "prompts", "positive_prompt")  # what a prompt column is often called
+REPAIRS = {  # a missing or mistyped column -> the pyarrow statement that makes it right, on table `t`
+    "id": "t = t.append_column('id', pyarrow.array([f'{i:08d}' for i in range(t.num_rows)]))",
+    "seed": "t = t.append_column('seed', pyarrow.array(range(t.num_rows), pyarrow.int64()))",
+    "id as text": "t = t.set_column(t.column_names.index('id'), 'id', t['id'].cast(pyarrow.string()))",
+}
+
+
+def repair_hint(schema: pa.Schema, path: str | os.PathLike) -> str:
+    """One command that writes a fixed copy of a manifest whose columns are wrong in the ways that
+    have one obvious fix (ids from row numbers, seeds 0 to n - 1, numeric ids as text, a prompt column
+    under another common name); "" where any problem has none (no width, a prompt column of numbers)."""
+    names, steps = schema.names, []
+    for name, kind in REQUIRED_COLUMNS.items():
+        if name in names and kind.accepts(schema.field(name).type):
+            continue
+        if name == "id" and name in names and pa.types.is_integer(schema.field(name).type):
+            steps.append(REPAIRS["id as text"])
+        elif name in REPAIRS and name not in names:
+            steps.append(REPAIRS[name])
+        elif name == "prompt" and name not in names and any(n in names for n in PROMPT_NAMES):
+            found = next(n for n in PROMPT_NAMES if n in names)
+            steps.append(f"t = t.rename_columns(['prompt' if n == {found!r} else n for n in t.column_names])")
+        else:
+            return ""
+    path = Path(path)
+    fixed = str(path.with_name(f"{path.stem}-fixed.parquet"))
+    return (f"; to write a fixed copy: python -c \"import pyarrow, pyarrow.parquet as pq; t = pq.read_table({str(path)!r}); "
+            f"{'; '.join(steps)}; pq.write_table(t, {fixed!r})\" and run with manifest.path={fixed}") if steps else ""
 
 
 @contextmanager
@@ -325,7 +356,7 @@ def _check_schema(schema: pa.Schema, num_rows: int, path: str | os.PathLike) -> 
             path,
             f"missing required column(s) {', '.join(missing)}; a manifest needs "
             f"{', '.join(REQUIRED_COLUMNS)} (optional: {', '.join(OPTIONAL_COLUMNS)}); "
-            f"found: {', '.join(names) or 'no columns'}",
+            f"found: {', '.join(names) or 'no columns'}{repair_hint(schema, path)}",
         )
     wrong = [
         f"column '{name}' has type {schema.field(name).type}; accepted: {kind.description}"
@@ -333,7 +364,7 @@ def _check_schema(schema: pa.Schema, num_rows: int, path: str | os.PathLike) -> 
         if name in names and not kind.accepts(schema.field(name).type)
     ]
     if wrong:
-        raise _fail(path, "; ".join(wrong))
+        raise _fail(path, "; ".join(wrong) + repair_hint(schema, path))
     if num_rows == 0:
         raise _fail(path, "manifest has no rows")
 

@@ -312,18 +312,48 @@ def test_not_a_parquet_file(tmp_path: Path, content: bytes) -> None:
                '{"id": "b", "prompt": "3", "width": 64, "height": 32, "seed": 2, "negative_prompt": "blurry"}\n'),
 ])
 def test_a_manifest_kept_as_text_is_refused_with_the_command_that_converts_it(tmp_path, monkeypatch, suffix, text):
-    """The command in the refusal, run where the file is, writes a manifest that reads: its prompts
+    """The command in the refusal, run anywhere, writes a manifest beside the file that reads: its prompts
     text even where they look like numbers, an empty or absent negative prompt null."""
     (tmp_path / f"m{suffix}").write_text(text)
     with pytest.raises(ManifestError, match=r"convert it with `") as info:
         read(tmp_path / f"m{suffix}")
     command = str(info.value).split("convert it with `", 1)[1].rstrip("`")
-    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the command names the file wherever it is run
     exec(command, {})
     found, bad = read(tmp_path / "m.parquet")
     items = {it.id: it for it in found}
     assert bad == [] and (items["a"].prompt, items["a"].negative_prompt) == ("7", None)
     assert (items["b"].prompt, items["b"].width, items["b"].height) == ("3", 64, 32)
+
+
+@pytest.mark.parametrize("columns, ids, seeds", ids=["no-seed", "no-id", "caption", "numeric-id", "prompts-only"], argvalues=[
+    ({k: v for k, v in BASE.items() if k != "seed"}, None, [0, 1]),
+    ({k: v for k, v in BASE.items() if k != "id"}, ["00000000", "00000001"], None),
+    ({("caption" if k == "prompt" else k): v for k, v in BASE.items()}, None, None),
+    ({**BASE, "id": [7, 8]}, ["7", "8"], None),
+    ({k: v for k, v in BASE.items() if k in ("prompt", "width", "height")}, ["00000000", "00000001"], [0, 1]),
+])
+def test_columns_with_one_obvious_fix_are_refused_with_the_command_that_writes_a_fixed_copy(
+        tmp_path, columns, ids, seeds):
+    """A list of prompts without ids or seeds, a prompt column named `caption`, numeric ids: the
+    refusal's command, run from any directory, writes a fixed copy beside the file that reads."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, columns)
+    with pytest.raises(ManifestError, match="to write a fixed copy: python -c") as info:
+        read(path)
+    code, rest = str(info.value).split('python -c "', 1)[1].split('" and run with manifest.path=', 1)
+    (tmp_path / "elsewhere").mkdir()
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "elsewhere", check=True)
+    items, bad = read(Path(rest))
+    assert bad == [] and [it.prompt for it in items] == BASE["prompt"]
+    assert [it.id for it in items] == (ids or BASE["id"]) and [it.seed for it in items] == (seeds or BASE["seed"])
+    without_sides = write(tmp_path, {k: v for k, v in columns.items() if k != "width"}, name="no-width.parquet")
+    with pytest.raises(ManifestError) as info:  # no obvious width: no command
+        read(without_sides)
+    assert "fixed copy" not in str(info.value)
 
 
 def test_missing_required_columns_are_named_with_the_required_set(tmp_path: Path) -> None:
