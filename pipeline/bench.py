@@ -61,6 +61,25 @@ PROMPTED = ("pixart", "sd3")  # families whose baseline is given the prompts' te
 ENCODE_CHUNK = 16
 
 
+CPU_BENCH_GIB = 1.0  # weights above which +job=bench on a CPU it was not asked to use is a mistake
+
+
+def check_cpu_scale(cfg: JobConfig, device: torch.device, dtype: torch.dtype, rows: int) -> None:
+    """+job=bench measures a GPU: where runtime.device=auto found none and the model is of real size,
+    its rows would run for hours on the CPU, twice (diffusers' and ours). Refused, saying what to do;
+    runtime.device=cpu runs it anyway (a small model always runs: the tests' and smoke runs')."""
+    from pipeline.models import weight_bytes
+
+    if device.type != "cpu" or cfg.runtime.device != "auto":
+        return
+    gib = weight_bytes(cfg.model, dtype) / 2**30
+    if gib > CPU_BENCH_GIB:
+        raise UserError(f"+job=bench measures a GPU, and this machine has none: model {cfg.model.name} ({gib:.1f} GiB "
+                        f"of weights) on {rows} rows would run for hours on its CPU, once for diffusers and once for "
+                        "us; run it on a CUDA machine, give a small model (model=tiny) for a smoke run, or set "
+                        "runtime.device=cpu to run it here anyway")
+
+
 @job_scope()  # the baseline sets precision and builds the model too
 def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> dict:
     from pipeline.job import job_plan, read_valid_manifest, run
@@ -82,6 +101,7 @@ def run_bench(cfg: JobConfig, resolved_config: dict[str, Any] | None = None) -> 
         raise UserError("bench.baseline_only=true runs the baseline, bench.baseline_from uses a saved one: set one of them")
     device = resolve_device(cfg.runtime.device, 0)
     precision = resolve_precision(cfg.precision.dtype, device)
+    check_cpu_scale(cfg, device, precision.torch_dtype, len(items))
     fingerprint = baseline_fingerprint(cfg, items, precision.dtype)
     saved = load_baseline(Path(cfg.bench.baseline_from), fingerprint) if cfg.bench.baseline_from else None
     out_dir = Path(cfg.output.dir)

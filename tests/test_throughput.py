@@ -197,3 +197,24 @@ def test_bench_baseline_saved_then_compared_from_another_process(tmp_path, manif
         run_bench(cpu_job(manifest, tmp_path / "o2", "bench.baseline=true", f"bench.baseline_from={tmp_path / 'none'}"))
     with pytest.raises(UserError, match="need bench.baseline=true"):
         run_bench(cpu_job(manifest, tmp_path / "o3", "bench.baseline_only=true"))
+
+
+def test_the_bench_of_a_real_size_model_on_a_machine_without_gpu_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """+job=bench measures a GPU: on a CPU it did not ask for, PixArt-Sigma's 1,000 rows would run for
+    hours, twice. Refused before any model is built, naming the ways on; a small model or an explicit
+    runtime.device=cpu runs."""
+    import torch
+
+    import pipeline.bench as bench
+    from conftest import job_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("pipeline.job.job_plan", lambda *a, **k: pytest.fail("the bench went on to plan its kernels"))
+    with pytest.raises(UserError) as refused:
+        run_bench(job_config("+job=bench", f"output.dir={tmp_path / 'out'}"))
+    assert str(refused.value).startswith("+job=bench measures a GPU, and this machine has none: model pixart_sigma (")
+    assert "on 1000 rows would run for hours" in str(refused.value) and "runtime.device=cpu" in str(refused.value)
+    assert not (tmp_path / "out").exists()
+    cpu = torch.device("cpu")
+    bench.check_cpu_scale(job_config("+job=bench", "model=tiny", "output.dir=o"), cpu, torch.float32, 1000)
+    bench.check_cpu_scale(job_config("+job=bench", "runtime.device=cpu", "output.dir=o"), cpu, torch.float32, 1000)

@@ -28,6 +28,7 @@ from pipeline.models.source import (Source, config_value, force_offline, model_n
 
 __all__ = [
     "FAMILIES", "attention_pixels", "build_model", "check_items", "check_memory", "model_labels", "model_limits", "model_source", "quiet_diffusers",
+    "weight_bytes",
     "save_diffusers", "to_diffusers", "with_guidance",
 ]
 
@@ -183,13 +184,20 @@ def check_memory(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, sou
     random weights built where model.init_device says, a checkpoint's loaded on the host, each then
     moved to `device` in `dtype`."""
     source = source or model_source(cfg)
+    where = init_where(cfg.init_device, device) if source.path is None else torch.device("cpu")
+    check_fits(model_name(source, cfg), _components(source), where, device, dtype)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The bytes of the model's weights in `dtype`, from configs or checkpoint headers alone."""
+    return sum(c.kept(dtype) for c in _components(model_source(cfg)))
+
+
+def _components(source: Source) -> list:
+    """The model's weighted components (pipeline.models.footprint), without building or loading any."""
     if source.path is None:
-        components = _random_components(source.family, json.dumps(source.configs, sort_keys=True))
-        where = init_where(cfg.init_device, device)
-    else:
-        components = checkpoint_components(source.path, weighted_components(source))
-        where = torch.device("cpu")
-    check_fits(model_name(source, cfg), components, where, device, dtype)
+        return _random_components(source.family, json.dumps(source.configs, sort_keys=True))
+    return checkpoint_components(source.path, weighted_components(source))
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
