@@ -27,9 +27,8 @@ from pipeline.models.source import (Source, config_value, force_offline, model_n
                                     init_where, vae_scale_factor, weighted_components)
 
 __all__ = [
-    "FAMILIES", "attention_pixels", "build_model", "check_items", "check_memory", "model_labels", "model_limits", "model_source", "quiet_diffusers",
-    "weight_bytes",
-    "save_diffusers", "to_diffusers", "with_guidance",
+    "FAMILIES", "attention_pixels", "build_model", "check_items", "check_memory", "model_labels", "model_limits",
+    "model_source", "quiet_diffusers", "runs_cfg", "save_diffusers", "to_diffusers", "weight_bytes", "with_guidance",
 ]
 
 log = logging.getLogger(__name__)
