@@ -247,3 +247,16 @@ def test_precompiled_blocks_are_saved_by_the_first_process_and_loaded_untraced_b
     assert "this model runs diffusers' blocks" in report["precompiled"]["unsupported"]
     with pytest.raises(UserError, match="kernels.precompile saves the compiled blocks of a regional compile"):
         check_kernels(KernelSettings(compile=True, precompile=True))
+
+
+def test_an_unreadable_precompiled_block_is_said_and_compiled_again(tmp_path, caplog):
+    from pipeline.kernels.precompile import SavedBlocks
+
+    saved = SavedBlocks([], tmp_path, {})
+    for content in (b"", b"cut short", b"\x80\x04K\x01."):
+        (tmp_path / "Block-rows-0.aot").write_bytes(content)
+        with caplog.at_level("WARNING", logger="pipeline.kernels.precompile"):
+            assert saved._load(tmp_path / "Block-rows-0.aot") is None
+        assert "Block-rows-0.aot cannot be loaded" in caplog.text and "compiling it again" in caplog.text
+        caplog.clear()
+    assert saved._load(tmp_path / "absent.aot") is None and not caplog.text

@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,8 @@ from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# what loading an artifact that is not one (cut short, another format) raises
+UNREADABLE = (OSError, EOFError, pickle.UnpicklingError, RuntimeError, ValueError, TypeError, KeyError, AttributeError)
 SOURCES = ("blocks", "kernels")  # pipeline's packages whose code a block's trace reads
 TORCH_API = ("load_compiled_function", "keep_portable_guards_unsafe")  # torch.compiler's, that this needs
 
@@ -136,7 +139,7 @@ class SavedBlocks:
         try:
             with path.open("rb") as f:
                 return torch.compiler.load_compiled_function(f)
-        except (OSError, RuntimeError, EOFError, ValueError) as err:  # unreadable: compiled again, said once
+        except UNREADABLE as err:  # compiled again, said
             log.warning("kernels.precompile: %s cannot be loaded (%s: %s); compiling it again", path.name,
                         type(err).__name__, str(err)[:200])
             return None
