@@ -218,7 +218,7 @@ def format_bad_rows(bad: list[BadRow], limit: int = 50, source: str = "manifest"
         raise ValueError(f"limit must be >= 0, got {limit}")
     lines = [f"{source} has {len(bad)} bad row(s):"]
     for entry in bad[:limit]:
-        who = f"id {_show(entry.id)}" if entry.id is not None else "no valid id"
+        who = f"id {show_text(entry.id)}" if entry.id is not None else "no valid id"
         lines.append(f"  row {entry.row} ({who}): {'; '.join(entry.reasons)}")
     if len(bad) > limit:
         lines.append(f"  ... and {len(bad) - limit} more")
@@ -476,7 +476,7 @@ def _row_problems(columns: dict[str, pa.ChunkedArray], rows: np.ndarray, first: 
         for name, check in checks:
             reasons += check(values[name][k])[1]
             if name == "id" and first[row] not in (-1, row):
-                reasons.append(f"duplicate id {_show(values['id'][k])} (first at row {first[row]})")
+                reasons.append(f"duplicate id {show_text(values['id'][k])} (first at row {first[row]})")
         if reasons:
             problems[row] = reasons
     return problems
@@ -511,19 +511,19 @@ def _id_reasons(value: Any) -> tuple[str | None, list[str]]:
     reasons = []
     if len(value) > MAX_ID_LENGTH:
         reasons.append(
-            f"id {_show(value)} is {len(value)} characters long (the limit is {MAX_ID_LENGTH})"
+            f"id {show_text(value)} is {len(value)} characters long (the limit is {MAX_ID_LENGTH})"
         )
     if "/" in value or "\\" in value:
         reasons.append(
-            f"id {_show(value)} contains a path separator ('/' or '\\'), not allowed in a file name"
+            f"id {show_text(value)} contains a path separator ('/' or '\\'), not allowed in a file name"
         )
     if value in (".", ".."):
-        reasons.append(f"id {_show(value)} is not a usable file name")
+        reasons.append(f"id {show_text(value)} is not a usable file name")
     elif ".." in value:
-        reasons.append(f"id {_show(value)} contains '..', not allowed in a file name")
+        reasons.append(f"id {show_text(value)} contains '..', not allowed in a file name")
     control = _CONTROL.search(value)
     if control:
-        reasons.append(f"id {_show(value)} contains the control character {control.group()!r}")
+        reasons.append(f"id {show_text(value)} contains the control character {control.group()!r}")
     return value, reasons
 
 
@@ -584,7 +584,7 @@ def _seed_reasons(value: Any) -> tuple[int | None, list[str]]:
 # ---- presentation ---------------------------------------------------------------------------
 
 
-def _show(text: str) -> str:
+def show_text(text: str) -> str:
     """Quote text for a message; repr escapes control characters, long text is cut."""
     if len(text) > _SHOWN_CHARS:
         return repr(text[:_SHOWN_CHARS]) + f"... ({len(text)} characters)"

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from pipeline.errors import UserError
+from pipeline.manifest import show_text
 from pipeline.models.base import Adapter
 from pipeline.transfer import to_device
 
@@ -190,15 +191,10 @@ class PromptCache:
         for encoder, (limit, cut) in (self.cuts(prompts) if self.cuts is not None else {}).items():
             if cut and encoder not in self.cut:
                 log.warning("prompts: texts longer than %s's %d tokens are cut to them, as diffusers' pipeline cuts "
-                            "them (the first: %r); stats.json's prompt_cache.cut counts them per text encoder",
-                            encoder, limit, short(prompts[cut[0]]))
+                            "them (the first: %s); stats.json's prompt_cache.cut counts them per text encoder",
+                            encoder, limit, show_text(prompts[cut[0]]))
             if cut:
                 self.cut[encoder] = self.cut.get(encoder, 0) + len(cut)
-
-
-def short(text: str, most: int = 60) -> str:
-    """`text`, or its first `most` characters and an ellipsis."""
-    return text if len(text) <= most else text[:most] + "..."
 
 
 def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -467,7 +467,7 @@ def test_format_bad_rows_default_limit_is_fifty() -> None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pipeline.manifest import _id_reasons, _prompt_reasons, _seed_reasons, _side_checker, _show  # noqa: E402
+from pipeline.manifest import _id_reasons, _prompt_reasons, _seed_reasons, _side_checker, show_text  # noqa: E402
 
 ODD_TEXT = st.one_of(st.none(), st.sampled_from(["", " ", "\u3000\t", ".", "..", "a..b", "a/b", "a\\b", "x\x85", "x" * 129]),
                      st.text(max_size=6))
@@ -485,7 +485,7 @@ def reference(columns: dict[str, list]) -> list[tuple[int, tuple[str, ...]]]:
         if value:
             first = seen.setdefault(value, row)
             if first != row:
-                reasons = reasons + [f"duplicate id {_show(value)} (first at row {first})"]
+                reasons = reasons + [f"duplicate id {show_text(value)} (first at row {first})"]
         reasons = reasons + _prompt_reasons(columns["prompt"][row])[1] + side["width"](columns["width"][row])[1]
         reasons = reasons + side["height"](columns["height"][row])[1] + _seed_reasons(columns["seed"][row])[1]
         if reasons:
