@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_job, job_config, model_config, png, rows, wide_heads_flux, write_manifest
+from conftest import CONF, cpu_job, job_config, model_config, png, rows, wide_heads_flux, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.plans import KernelSettings
 from pipeline.denoise import Denoiser
@@ -403,6 +403,37 @@ def test_fused_decoder_is_the_plans_decoder_and_on_the_cpu_decodes_eagers_bytes(
         assert np.array_equal(ours, theirs), row
     with pytest.raises(ResumeConflict, match="kernels other than the default"):
         run(cpu_job(manifest, tmp_path / "fused"))
+
+
+@pytest.mark.parametrize("model", ["pixart_sigma", "flux_dev", "sd3_medium"])
+def test_fused_group_norms_of_every_resolution_run_the_kernel_built_at_the_native_size(model):
+    """The fused decoder's group norms (pipeline/kernels/group_norm.py) at every size a job decodes
+    (square from 256 to 1024 px, the Flux aspects) take the compile-time settings of the decoder's pass
+    at the model's native size (1024 px, made at start-up): no Triton compile in a job's first batch of a
+    new size. The shapes are the real VAE's (its config, on the meta device)."""
+    import yaml
+    from diffusers import AutoencoderKL
+
+    from pipeline.kernels import group_norm
+
+    arch = yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text())["arch"]["vae"]
+    with torch.device("meta"):
+        vae = AutoencoderKL(**arch)
+    seen = []
+    for module in vae.decoder.modules():
+        if isinstance(module, torch.nn.GroupNorm):
+            module.register_forward_pre_hook(lambda m, args: seen.append((m.num_groups, args[0].shape)))
+
+    def slots(width, height):
+        seen.clear()
+        vae.decoder(torch.empty(1, vae.config.latent_channels, height // 8, width // 8, device="meta"))
+        assert seen, "no group norm ran"
+        return {group_norm.chunks(shape[1] // groups * shape[2:].numel())[1] for groups, shape in seen}
+
+    native = slots(1024, 1024)
+    assert native == {group_norm.SLOTS}, native
+    for size in ((512, 512), (768, 768), (1152, 896), (896, 1152), (1344, 768), (256, 256), (1024, 640)):
+        assert slots(*size) == native, size
 
 
 def test_fused_decoder_refuses_a_decoder_it_cannot_compute_by_name():

@@ -8,6 +8,11 @@ chunks are combined in a fixed order, so a group's statistics, and an image's by
 own values and shape only: not on the batch, the process or the GPU's load. Nothing is compiled by
 inductor (Triton compiles each kernel once, from its own cache when warm). CUDA only; `reference` is
 the definition, PyTorch's ops, which the CPU runs.
+
+One compiled kernel serves every resolution: a group's chunk statistics are combined in SLOTS slots
+(the unused ones masked) whatever its number of chunks, up to SLOTS of them, and the sizes that vary
+with the resolution are not specialized on by Triton (`do_not_specialize`), so the decoder's pass at
+the model's native size at start-up (pipeline.kernels.decoder) builds what every later size runs.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch.nn.functional as F
 BLOCK = 2048  # values a program reads at once
 CHUNK = 16 * BLOCK  # values a program reduces, then normalizes
 WARPS = 8
-SETTING = f"triton-block{BLOCK}-chunk{CHUNK}-warps{WARPS}"  # in the job's kernel digest: another setting, other bytes
+SLOTS = 256  # chunk statistics a program combines (groups of up to SLOTS * CHUNK values: one kernel for all)
+SETTING = f"triton-block{BLOCK}-chunk{CHUNK}-warps{WARPS}-slots{SLOTS}"  # in the job's kernel digest: another setting, other bytes
 
 
 def reference(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
@@ -28,6 +34,13 @@ def reference(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: t
     """What `group_norm` computes, as PyTorch's ops: F.group_norm, then F.silu when `silu`."""
     y = F.group_norm(x, groups, weight, bias, eps)
     return F.silu(y) if silu else y
+
+
+def chunks(group_len: int) -> tuple[int, int]:
+    """A group of `group_len` values -> (its chunks, the slots its statistics are combined in: SLOTS, or
+    the next power of two above for a group of more chunks)."""
+    n_chunks = -(-group_len // CHUNK)
+    return n_chunks, max(SLOTS, 1 << (n_chunks - 1).bit_length())
 
 
 @functools.cache
@@ -42,7 +55,7 @@ def _kernels():
         share = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
         return mean_a + delta * share, m2_a + m2_b + delta * delta * n_a * share, n
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_chunks"])
     def chunk_stats(x_ptr, stats_ptr, group_len, n_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         group = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -64,7 +77,7 @@ def _kernels():
         tl.store(out + 1, m2)
         tl.store(out + 2, count)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_chunks", "plane", "channels_per_group", "n_groups"])
     def normalize(x_ptr, stats_ptr, weight_ptr, bias_ptr, out_ptr, group_len, n_chunks, plane, channels_per_group,
                   n_groups, eps, HAS_AFFINE: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
@@ -94,7 +107,7 @@ def _kernels():
                 y = y / (1.0 + tl.exp(-y))
             tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
-    return chunk_stats, normalize, triton.next_power_of_2, triton.cdiv
+    return chunk_stats, normalize
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
@@ -104,14 +117,14 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
     if x.device.type != "cuda":
         return reference(x, groups, weight, bias, eps, silu)
     x = x.contiguous()
-    chunk_stats, normalize, next_power_of_2, cdiv = _kernels()
+    chunk_stats, normalize = _kernels()
     batch, channels = x.shape[:2]
     if channels % groups or (weight is None) != (bias is None):
         raise ValueError(f"group_norm: x [N, C, ...] with C ({channels}) a multiple of groups ({groups}), "
                          "weight and bias both given or both None")
     plane = x[0, 0].numel()
     group_len = (channels // groups) * plane
-    n_chunks = cdiv(group_len, CHUNK)
+    n_chunks, slots = chunks(group_len)
     stats = torch.empty(batch * groups, n_chunks, 3, dtype=torch.float32, device=x.device)
     grid = (batch * groups, n_chunks)
     chunk_stats[grid](x, stats, group_len, n_chunks, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=WARPS)
@@ -119,5 +132,5 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
     affine = weight is not None
     normalize[grid](x, stats, weight if affine else x, bias if affine else x, out, group_len, n_chunks, plane,
                     channels // groups, groups, eps, HAS_AFFINE=affine, SILU=silu, BLOCK=BLOCK, CHUNK=CHUNK,
-                    CHUNKS=max(next_power_of_2(n_chunks), 2), num_warps=WARPS)
+                    CHUNKS=slots, num_warps=WARPS)
     return out
