@@ -47,9 +47,13 @@ def unsupported(owned: bool) -> str | None:
     """Why these blocks cannot be saved compiled (`owned`: the project's own, pipeline.blocks), or None.
     diffusers' blocks carry per-instance methods (pipeline.kernels.compile.broadcast_attention_masks)
     that dynamo's saved guards cannot name."""
-    missing = [name for name in TORCH_API if not hasattr(torch.compiler, name)]
+    import torch._dynamo
+
+    missing = [f"torch.compiler.{name}" for name in TORCH_API if not hasattr(torch.compiler, name)]
+    if not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        missing.append("torch._dynamo.config.enable_aot_compile")
     if missing:
-        return f"torch {torch.__version__} has no torch.compiler.{', '.join(missing)} (aot_compile's API)"
+        return f"torch {torch.__version__} has no {', '.join(missing)} (aot_compile's API)"
     if not owned:
         return "it saves the project's own blocks (the flux and sd3 plans'), and this model runs diffusers' blocks"
     return None
@@ -154,7 +158,9 @@ class SavedBlocks:
         options = {**self.options, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
         serving = block.__dict__.pop("forward")  # the class's forward, traced; the block as its `self`
         try:
-            return torch.compile(block, fullgraph=True, dynamic=True, options=options).forward.aot_compile((args, kwargs))
+            with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default in torch 2.11
+                compiled = torch.compile(block, fullgraph=True, dynamic=True, options=options).forward
+            return compiled.aot_compile((args, kwargs))
         finally:
             block.forward = serving
 
