@@ -36,6 +36,11 @@ def reference(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: t
     return F.silu(y) if silu else y
 
 
+def group_length(shape: torch.Size, groups: int) -> int:
+    """Values in one group of an [N, C, *spatial] tensor: C / groups channels of every position."""
+    return shape[1] // groups * shape[2:].numel()
+
+
 def chunks(group_len: int) -> tuple[int, int]:
     """A group of `group_len` values -> (its chunks, the slots its statistics are combined in: SLOTS, or
     the next power of two above for a group of more chunks)."""
@@ -123,7 +128,7 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
         raise ValueError(f"group_norm: x [N, C, ...] with C ({channels}) a multiple of groups ({groups}), "
                          "weight and bias both given or both None")
     plane = x[0, 0].numel()
-    group_len = (channels // groups) * plane
+    group_len = group_length(x.shape, groups)
     n_chunks, slots = chunks(group_len)
     stats = torch.empty(batch * groups, n_chunks, 3, dtype=torch.float32, device=x.device)
     grid = (batch * groups, n_chunks)
