@@ -215,18 +215,24 @@ def test_a_job_imports_no_scikit_learn():
     assert probe.stdout.split() == ["False"]
 
 
-PRECOMPILED = ("model=tiny_sd3", "kernels.compile=true", "kernels.compile_scope=blocks", "kernels.fuse_qkv=true",
-               "kernels.precompile=true")  # SD3's own blocks, compiled by regions and saved whole
+# the project's own blocks, compiled by regions and saved whole: SD3's; Flux's, whose modulations are views
+# of one table (hoisted) and whose two kinds of block take different inputs
+PRECOMPILED = {
+    "sd3": ("model=tiny_sd3", "kernels.fuse_qkv=true"),
+    "flux": ("model=tiny_flux", "kernels.fuse_qkv=true", "kernels.hoist_modulation=true"),
+}
 
 
-def test_precompiled_blocks_are_saved_by_the_first_process_and_loaded_untraced_by_the_next(tmp_path):
+@pytest.mark.parametrize("family", PRECOMPILED)
+def test_precompiled_blocks_are_saved_by_the_first_process_and_loaded_untraced_by_the_next(family, tmp_path):
     """kernels.precompile: the first job compiles each kind of block ahead of time and saves it in the
-    kernel cache; a job in another process on other rows loads it, traces nothing, and makes the same
-    bytes for the rows both made. diffusers' blocks cannot be saved: said once, traced as without it."""
+    kernel cache; a job in another process on other rows and sizes loads it, traces nothing, and makes the
+    same bytes for the rows both made."""
     cache = tmp_path / "cache"
     first = write_manifest(tmp_path / "first.parquet", SIZES[:3])
     later = write_manifest(tmp_path / "later.parquet", SIZES[:2] + SIZES[3:])
-    args = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", *SMALL, *PRECOMPILED)
+    args = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", *SMALL, *PRECOMPILED[family],
+            "kernels.compile=true", "kernels.compile_scope=blocks", "kernels.precompile=true")
     env = dict(os.environ, BCG_CACHE_DIR=str(cache))
     for manifest, out in ((first, tmp_path / "first"), (later, tmp_path / "later")):
         proc = run_python("-m", "pipeline.run", "+job=dataset", f"manifest.path={manifest}", f"output.dir={out}", *args,
@@ -236,17 +242,37 @@ def test_precompiled_blocks_are_saved_by_the_first_process_and_loaded_untraced_b
     kinds = saved["precompiled"]["compiled"]
     assert kinds and saved["precompiled"]["loaded"] == [] and saved["compiled_graphs"] == len(kinds)
     assert sorted(p.stem for p in cache.rglob("*.aot")) == sorted(kinds)
-    assert loaded["precompiled"]["loaded"] == kinds and loaded["precompiled"]["compiled"] == []
+    assert sorted(loaded["precompiled"]["loaded"]) == sorted(kinds) and loaded["precompiled"]["compiled"] == []
     assert loaded["compiled_graphs"] == 0  # nothing traced
+    assert "guard_misses" not in saved["precompiled"] and "guard_misses" not in loaded["precompiled"]
     both = {f"{r['id']}.png" for r in SIZES[:2]}
     assert {k: v for k, v in images(tmp_path / "first").items() if k in both} == \
         {k: v for k, v in images(tmp_path / "later").items() if k in both}
 
+
+def test_precompile_is_said_unsupported_for_diffusers_blocks_and_refused_without_a_regional_compile():
     pixart = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     report = apply_kernels(KernelSettings(compile=True, compile_scope="blocks", precompile=True), pixart, None, shapes=1)
     assert "this model runs diffusers' blocks" in report["precompiled"]["unsupported"]
     with pytest.raises(UserError, match="kernels.precompile saves the compiled blocks of a regional compile"):
         check_kernels(KernelSettings(compile=True, precompile=True))
+
+
+def test_a_call_whose_inputs_a_saved_blocks_guards_refuse_is_traced_said_and_counted(tmp_path, caplog):
+    """A size of 1 where the saved trace has a symbolic size fails its guards: that call is traced as
+    without kernels.precompile (its result the block's), said once, counted in the stats' dict."""
+    from pipeline.kernels.precompile import SavedBlocks
+
+    block = torch.nn.Linear(8, 8)
+    saved = SavedBlocks([block], tmp_path, {})
+    with torch.no_grad(), caplog.at_level("WARNING", logger="pipeline.kernels.precompile"):
+        block(torch.randn(2, 5, 8))  # compiled at these sizes (2 and 5 symbolic) and saved
+        x = torch.randn(2, 1, 8)
+        out = [block(x) for _ in range(2)]
+    assert len(saved.counts["compiled"]) == 1 and saved.counts["guard_misses"] == 2
+    assert caplog.text.count("the saved Linear refuses a call's inputs") == 1
+    for y in out:
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, block.weight, block.bias))
 
 
 def test_an_unreadable_precompiled_block_is_said_and_compiled_again(tmp_path, caplog):

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 # what loading an artifact that is not one (cut short, another format) raises
 UNREADABLE = (OSError, EOFError, pickle.UnpicklingError, RuntimeError, ValueError, TypeError, KeyError, AttributeError)
 SOURCES = ("blocks", "kernels")  # pipeline's packages whose code a block's trace reads
+GUARD_MISS = "GuardManager check failed"  # what a saved function raises for inputs its guards refuse
 TORCH_API = ("load_compiled_function", "keep_portable_guards_unsafe")  # torch.compiler's, that this needs
 
 
@@ -90,6 +91,16 @@ def describe(value: Any) -> Any:
     return repr(value)
 
 
+def unaliased(value: Any) -> Any:
+    """A tensor that is a view traced as such makes dynamo guard on its base's sizes and strides
+    (`x._base`), which later calls need not share (their input another view, or none): the trace gets a
+    tensor of the same sizes, strides and values that is no view, so that only the input's own layout is
+    guarded."""
+    if not torch.is_tensor(value) or value._base is None:
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).copy_(value)
+
+
 class SavedBlocks:
     """The repeated blocks of one transformer, each kind's calls served by one compiled function:
     loaded from `directory` where an earlier process saved it, else compiled at the kind's first call
@@ -101,6 +112,7 @@ class SavedBlocks:
         self.calls: dict[tuple, Callable] = {}  # (kind, rows, inputs) -> its compiled function
         # the artifacts loaded and compiled so far (the job's stats hold this dict and see it grow)
         self.counts: dict[str, Any] = {"loaded": [], "compiled": [], "load_s": 0.0, "compile_s": 0.0}
+        self.fallbacks: dict[type, Callable] = {}  # a class -> its forward traced (pipeline.kernels.compile's way)
         self.sources = source_digest()
         for block in blocks:
             block.forward = self._serving(block)  # the instance's: the class keeps its forward
@@ -116,8 +128,23 @@ class SavedBlocks:
             fn = self.calls.get(call)
             if fn is None:
                 fn = self.calls[call] = self._load_or_compile(self.key(type(block).__name__, *call), block, args, kwargs)
-            return fn(block, *args, **kwargs)
+            try:
+                return fn(block, *args, **kwargs)
+            except RuntimeError as err:  # its guards refuse these inputs: traced as without kernels.precompile
+                if GUARD_MISS not in str(err):
+                    raise
+                return self._traced(type(block), err)(block, *args, **kwargs)
         return forward
+
+    def _traced(self, cls: type, err: RuntimeError) -> Callable:
+        """The class's forward compiled by dynamo as a regional compile does, for the calls whose inputs a
+        saved function's guards refuse; said once per class, each call counted (`guard_misses`)."""
+        self.counts["guard_misses"] = self.counts.get("guard_misses", 0) + 1
+        if cls not in self.fallbacks:
+            log.warning("kernels.precompile: the saved %s refuses a call's inputs (%s); such calls are traced and "
+                        "compiled as without kernels.precompile", cls.__name__, str(err).replace("\n", " ")[:300])
+            self.fallbacks[cls] = torch.compile(cls.forward, dynamic=True, options=self.options)
+        return self.fallbacks[cls]
 
     def key(self, name: str, kind: str, rows: str, inputs: str) -> str:
         """The artifact's name: the block's class, one row or more (the block's first tensor input), and
@@ -150,6 +177,7 @@ class SavedBlocks:
 
     def _compile(self, block: torch.nn.Module, args: tuple, kwargs: dict) -> Callable:
         """aot_compile at these (the canonical) shapes, every dimension of more than one element symbolic."""
+        args, kwargs = tuple(unaliased(a) for a in args), {k: unaliased(v) for k, v in kwargs.items()}
         for a in [*args, *kwargs.values()]:
             if torch.is_tensor(a):
                 for dim, size in enumerate(a.shape):
