@@ -200,6 +200,7 @@ class SavedBlocks:
         try:
             fn.save_compiled_function(str(temporary))
             os.replace(temporary, path)
-        except OSError as err:
-            log.warning("kernels.precompile: %s not saved (%s); a later process compiles it again", path.name, err)
+        except (OSError, RuntimeError) as err:  # RuntimeError: an object in the trace that torch cannot save
+            log.warning("kernels.precompile: %s not saved (%s); a later process compiles it again", path.name,
+                        str(err).replace("\n", " ")[:300])
             temporary.unlink(missing_ok=True)
