@@ -258,6 +258,19 @@ def test_precompile_is_said_unsupported_for_diffusers_blocks_and_refused_without
         check_kernels(KernelSettings(compile=True, precompile=True))
 
 
+def test_a_saved_blocks_name_is_the_same_in_every_process_with_persistent_reductions(tmp_path):
+    """The GPU plans' compile options hold an inductor pass object (kernels.persistent_reductions): the
+    artifact's name takes it by its uuid, not its address, so a later process finds what an earlier saved."""
+    from pipeline.kernels.precompile import SavedBlocks
+
+    names = [SavedBlocks([], tmp_path, compile_options("default", "fixed", persistent=True)["options"]).key(
+        "DoubleBlock", "kind", "rows", "inputs") for _ in range(2)]
+    assert names[0] == names[1]
+    other = SavedBlocks([], tmp_path, compile_options("default", "fixed")["options"]).key("DoubleBlock", "kind", "rows",
+                                                                                         "inputs")
+    assert other != names[0]
+
+
 def test_a_call_whose_inputs_a_saved_blocks_guards_refuse_is_traced_said_and_counted(tmp_path, caplog):
     """A size of 1 where the saved trace has a symbolic size fails its guards: that call is traced as
     without kernels.precompile (its result the block's), said once, counted in the stats' dict."""

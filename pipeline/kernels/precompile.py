@@ -88,7 +88,16 @@ def describe(value: Any) -> Any:
         return [describe(v) for v in value]
     if isinstance(value, dict):
         return {k: describe(v) for k, v in value.items()}
-    return repr(value)
+    return stable(value)
+
+
+def stable(value: Any) -> str:
+    """A value as the same text in every process: an inductor pass (pipeline.kernels.reductions' marker)
+    by its uuid, an object whose text holds its address by its type, anything else as its repr."""
+    if callable(getattr(value, "uuid", None)):
+        return f"{type(value).__qualname__}:{value.uuid()}"
+    text = repr(value)
+    return f"{type(value).__module__}.{type(value).__qualname__}" if " at 0x" in text else text
 
 
 def unaliased(value: Any) -> Any:
@@ -150,7 +159,7 @@ class SavedBlocks:
         """The artifact's name: the block's class, one row or more (the block's first tensor input), and
         a digest of everything its code depends on (its weights' shapes, its inputs' dtypes and ranks)."""
         what = [kind, rows, inputs, self.options, torch.__version__, self.sources]
-        digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=stable).encode()).hexdigest()[:16]
         return f"{name}-{rows}-{digest}"
 
     def _load_or_compile(self, key: str, block: torch.nn.Module, args: tuple, kwargs: dict) -> Callable:
