@@ -263,12 +263,11 @@ def test_a_saved_blocks_name_is_the_same_in_every_process_with_persistent_reduct
     artifact's name takes it by its uuid, not its address, so a later process finds what an earlier saved."""
     from pipeline.kernels.precompile import SavedBlocks
 
-    names = [SavedBlocks([], tmp_path, compile_options("default", "fixed", persistent=True)["options"]).key(
-        "DoubleBlock", "kind", "rows", "inputs") for _ in range(2)]
-    assert names[0] == names[1]
-    other = SavedBlocks([], tmp_path, compile_options("default", "fixed")["options"]).key("DoubleBlock", "kind", "rows",
-                                                                                         "inputs")
-    assert other != names[0]
+    def name(persistent: bool) -> str:  # options made anew, as each process makes them
+        options = compile_options("default", "fixed", persistent=persistent)["options"]
+        return SavedBlocks([], tmp_path, options).key("DoubleBlock", "kind", "rows", "inputs")
+
+    assert name(True) == name(True) != name(False)
 
 
 def test_a_call_whose_inputs_a_saved_blocks_guards_refuse_is_traced_said_and_counted(tmp_path, caplog):

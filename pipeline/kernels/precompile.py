@@ -100,6 +100,11 @@ def stable(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}" if " at 0x" in text else text
 
 
+def brief(err: BaseException) -> str:
+    """An error's message on one line, cut to what a log line holds."""
+    return f"{type(err).__name__}: " + str(err).replace("\n", " ")[:300]
+
+
 def unaliased(value: Any) -> Any:
     """A tensor that is a view traced as such makes dynamo guard on its base's sizes and strides
     (`x._base`), which later calls need not share (their input another view, or none): the trace gets a
@@ -151,7 +156,7 @@ class SavedBlocks:
         self.counts["guard_misses"] = self.counts.get("guard_misses", 0) + 1
         if cls not in self.fallbacks:
             log.warning("kernels.precompile: the saved %s refuses a call's inputs (%s); such calls are traced and "
-                        "compiled as without kernels.precompile", cls.__name__, str(err).replace("\n", " ")[:300])
+                        "compiled as without kernels.precompile", cls.__name__, brief(err))
             self.fallbacks[cls] = torch.compile(cls.forward, dynamic=True, options=self.options)
         return self.fallbacks[cls]
 
@@ -180,8 +185,7 @@ class SavedBlocks:
             with path.open("rb") as f:
                 return torch.compiler.load_compiled_function(f)
         except UNREADABLE as err:  # compiled again, said
-            log.warning("kernels.precompile: %s cannot be loaded (%s: %s); compiling it again", path.name,
-                        type(err).__name__, str(err)[:200])
+            log.warning("kernels.precompile: %s cannot be loaded (%s); compiling it again", path.name, brief(err))
             return None
 
     def _compile(self, block: torch.nn.Module, args: tuple, kwargs: dict) -> Callable:
@@ -211,5 +215,5 @@ class SavedBlocks:
             os.replace(temporary, path)
         except (OSError, RuntimeError) as err:  # RuntimeError: an object in the trace that torch cannot save
             log.warning("kernels.precompile: %s not saved (%s); a later process compiles it again", path.name,
-                        str(err).replace("\n", " ")[:300])
+                        brief(err))
             temporary.unlink(missing_ok=True)
