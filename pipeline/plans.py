@@ -108,7 +108,7 @@ class Plan:
 _DECODER = {"fuse_decoder": True}
 _COMPILED = {"attention": "cudnn", "compile": True, "compile_scope": "blocks"}
 _FLUX = {"compile": True, "compile_scope": "blocks", "fuse_gelu": True, "split_out_proj": True,
-         "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, **_DECODER}
+         "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, "precompile": True, **_DECODER}
 _FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
 # SD3's as Flux's where they apply (no single-stream blocks to split, a modulation a fraction of a step)
 _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_gelu": True, "persistent_reductions": True,
@@ -140,7 +140,8 @@ PLANS: dict[str, Plan] = {
                     cuda_only=_FP8_CORES, float8=True),
     "flux": Plan("Flux's own blocks compiled once for every shape: the GELU in the up-projection's epilogue, the "
                  "single blocks' out-projection split, the modulation once per batch, the queries' and keys' norms "
-                 "and rotation in one kernel; the decoder's group norms fused", ("flux",), _FLUX, cuda_only=_EPILOGUE),
+                 "and rotation in one kernel, each kind of block saved whole for later processes; the decoder's "
+                 "group norms fused", ("flux",), _FLUX, cuda_only=_EPILOGUE),
     "flux-fp8": Plan("the flux plan with float8 linear layers, float8 attention and norms writing float8 rows, "
                      "fused q|k|v projections", ("flux",), _FLUX_FP8, cuda_only=_FP8_CORES, float8=True),
 }

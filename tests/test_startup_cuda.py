@@ -47,13 +47,14 @@ COMPILED_PLANS = {
     "sd3-bf16": ((*SD3, "precision=bf16"), "sd3"),
     "sd3-fp8": ((*SD3, "precision=fp8"), "sd3-fp8"),
     "pixart-fp8": (("model=tiny", *PIXART, *COMMON, "precision=fp8"), "fast-fp8"),
-    # the blocks saved whole by the process that compiles them, loaded by the others (kernels.precompile)
-    "flux-fp8-precompiled": ((*FLUX, "precision=fp8", "kernels.precompile=true"), "flux-fp8"),
+    # the blocks traced in every process, as without kernels.precompile (the Flux plans save them whole)
+    "flux-fp8-traced": ((*FLUX, "precision=fp8", "kernels.precompile=false"), "flux-fp8"),
 }
 
 
 def loaded_from_cache(kernels: dict):
-    """What a job took from the kernel cache: its saved blocks (kernels.precompile), else inductor's hits."""
+    """What a job took from the kernel cache: its saved blocks (kernels.precompile: the Flux plans), else
+    inductor's hits."""
     return kernels["precompiled"]["loaded"] if "precompiled" in kernels else kernels["cache_hits"]
 
 
