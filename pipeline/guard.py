@@ -180,9 +180,28 @@ class Interrupted(RuntimeError):
         self.exit_code = ExitCode.for_signal(signum)
 
 
+# SIGINTs the CLI's handler received before a job's StopSignals took over (`interrupts_remembered`)
+_REMEMBERED: list[int] = []
+
+
+def _remember(signum, frame) -> None:
+    _REMEMBERED.append(signum)
+    raise KeyboardInterrupt
+
+
+def interrupts_remembered():
+    """The CLI's start, until a job's StopSignals takes over: SIGINT raises KeyboardInterrupt, as
+    Python's own handler does, and is remembered, so that where a library swallows the exception (a
+    bare `except:` around an optional import, which runs in ours) the job still stops, before it
+    starts work. -> a function that puts the previous handler back."""
+    previous = signal.signal(signal.SIGINT, _remember)
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
 class StopSignals:
     """SIGINT and SIGTERM set a flag instead of killing the process; the job checks it between
-    batches, so it stops after the current batch is committed. Only in the main thread."""
+    batches, so it stops after the current batch is committed. Only in the main thread. A SIGINT
+    remembered before (`interrupts_remembered`) is one received: the job's first check stops it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -196,6 +215,9 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if _REMEMBERED:
+            self.received = _REMEMBERED.pop()
+            _REMEMBERED.clear()
         return self
 
     def _handle(self, signum, frame) -> None:

@@ -165,6 +165,7 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
     todo = None
     with stopped_summary(stats, lambda: (planned, todo), len(bad), setup.out_dir), \
             JobLock(setup.out_dir, setup.shard), StopSignals() as stop, compile_cache(setup.kernels, setup.out_dir, setup.device):
+        stop.check()  # a Ctrl-C the imports before it swallowed (pipeline.guard.interrupts_remembered)
         # 6. The batches not committed under output.dir yet. Committed batches that do not match the
         #    job are refused (with overwrite: cleared) here, before anything is written or built; with
         #    a new auto ladder, once step 10 has planned.

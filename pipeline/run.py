@@ -32,6 +32,7 @@ from pipeline.completion import SUCCESS
 from pipeline.config import JobConfig, fill_sampler_defaults, register_configs, resolve_job
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
+from pipeline.guard import Interrupted, interrupts_remembered
 from pipeline.kept_model import KeptModel
 from pipeline.launch import finished, launch
 from pipeline.overrides import check_overrides
@@ -48,6 +49,7 @@ register_configs()
 
 def main() -> None:
     """The console command: check, then run Hydra; user errors and an early Ctrl-C in one line."""
+    restore = interrupts_remembered()
     try:
         preflight(sys.argv[1:])
         run_hydra()
@@ -55,12 +57,11 @@ def main() -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(ExitCode.USER_ERROR)
     except KeyboardInterrupt:  # before the job handles SIGINT itself, or after it has finished
-        from pipeline.guard import Interrupted
-
         print(f"error: {Interrupted(signal.SIGINT)}", file=sys.stderr)
         sys.exit(ExitCode.SIGINT)
     finally:
         SWEEP_MODEL.drop()  # the sweep is over: its model and dynamo's code for it go
+        restore()
 
 
 def preflight(argv: list[str]) -> None:
@@ -156,7 +157,6 @@ def user_outcome(err: Exception) -> tuple[ExitCode, str] | None:
     if isinstance(err, UserError):
         return ExitCode.USER_ERROR, str(err)
     from bcg.errors import BCGConfigError
-    from pipeline.guard import Interrupted
     from pipeline.writer import WriteError
 
     if isinstance(err, BCGConfigError):

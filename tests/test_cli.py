@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from conftest import REPO, imported, one_error_line, rows, run_cli, run_python, write_manifest
 from pipeline.config import resolve_job
 from pipeline.exit_codes import README_BEGIN, README_END, ExitCode
+from pipeline.guard import Interrupted, StopSignals, interrupts_remembered
 from pipeline.overrides import check_overrides
 from pipeline import paths
 from pipeline.paths import CONF_DIR, check_writable_dir
@@ -183,6 +184,27 @@ def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path):
     assert proc.returncode == ExitCode.SIGINT == 130
     assert one_error_line(done) == ("error: stopped by SIGINT; committed batches are kept, "
                                     "run the same command again to finish")
+
+
+def test_a_ctrl_c_that_an_import_swallows_still_stops_the_job_before_it_starts_work():
+    """A library's bare `except:` around an optional import can swallow the KeyboardInterrupt of a
+    Ctrl-C during the imports; the CLI remembers the signal and the job's first check stops it."""
+    before = signal.getsignal(signal.SIGINT)
+    restore = interrupts_remembered()
+    try:
+        try:  # as such an import does
+            signal.raise_signal(signal.SIGINT)
+        except BaseException:  # what a bare except catches
+            pass
+        with StopSignals() as stop:
+            with pytest.raises(Interrupted) as stopped:
+                stop.check()
+        assert stopped.value.exit_code == ExitCode.SIGINT
+        with StopSignals() as stop:  # remembered once: the next job in the process runs
+            stop.check()
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_readme_lists_exactly_the_exit_codes():
