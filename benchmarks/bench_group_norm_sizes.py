@@ -2,8 +2,8 @@
 size (1024 px) has been decoded, as in a job (pipeline.kernels.decoder decodes it at kernel setup).
 
 For each size, the decoder's group norms (channels and scales of the real VAEs' levels, 32 groups, bf16,
-with and without SiLU) are called twice: the first call's time holds any Triton compile, the second is
-the kernels' own. Run each version in a fresh process on an empty Triton cache:
+with and without SiLU) are called once, whose time holds any Triton compile, then `AGAIN` times more,
+whose median is the kernels' own. Run each version in a fresh process on an empty Triton cache:
 
     TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/bench_group_norm_sizes.py [--source FILE] [--out x.json]
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 LEVELS = ((512, 1, True), (512, 1, False), (512, 2, True), (512, 4, True), (256, 4, True), (256, 8, True),
           (128, 8, True))
 SIZES = ((1024, 1024), (512, 512), (768, 768), (1152, 896), (1344, 768))
+AGAIN = 5
 
 
 def load(source: Path):
@@ -55,7 +57,8 @@ def main() -> None:
     module = load(args.source)
     rows = []
     for width, height in SIZES:
-        first, again = decode_norms(module, width, height), decode_norms(module, width, height)
+        first = decode_norms(module, width, height)
+        again = statistics.median(decode_norms(module, width, height) for _ in range(AGAIN))
         rows.append({"size": f"{width}x{height}", "first_ms": round(first * 1e3, 1), "again_ms": round(again * 1e3, 2)})
     print(f"{args.source}: " + " | ".join(f"{r['size']} {r['first_ms']:.0f} / {r['again_ms']:.1f} ms" for r in rows))
     if args.out:
