@@ -24,7 +24,8 @@ guidance (the model file's; `--steps` for all). Per family the model is built on
   precision=fp8, whose refusal for a family is reported, not run), or the first of `--plans` that
   serves the family in that precision; the others of `--plans` that serve it run beside it, on the
   same rows (in the runs table: `--plans sd3 compiled` compares SD3's own blocks with diffusers'
-  blocks compiled). Images/s of its generate phase
+  blocks compiled; `--plans sd3-fp8 sd3-fp8:fp8_attention=false` the plan with one expert switch
+  changed). Images/s of its generate phase
   (after warm-up, compile and capture; the writer's PNGs included) and end to end.
 
 Text encoding: PixArt and SD3 count it on both sides (diffusers' pipeline encodes its prompts in its
@@ -56,6 +57,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,7 +74,7 @@ from pipeline.manifest import Item
 from pipeline.models import build_model
 from pipeline.models.base import free_memory
 from pipeline.errors import UserError
-from pipeline.plans import AUTO, PLANS, resolve_plan
+from pipeline.plans import AUTO, PLANS, SETTINGS, resolve_plan
 from pipeline.precision import apply_precision
 from pipeline.report import PartReport
 from pipeline.timing import environment
@@ -106,9 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=2, help="diffusers' timed calls per batch size (our rows: batch x calls)")
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp8", "fp32"],
                    help="our job's precision= (fp8: the family's float8 plan); default: bf16 fp8 (--smoke: fp32)")
-    p.add_argument("--plans", nargs="+", default=[], choices=list(PLANS),
+    p.add_argument("--plans", nargs="+", default=[], type=plan_variant, metavar="PLAN[:KEY=VALUE,...]",
                    help="plans to run by name where they serve the family and precision, the first in the "
-                        "table, the others beside it (e.g. sd3 compiled); default: kernels.plan=auto's")
+                        "table, the others beside it (e.g. sd3 compiled); after a colon, expert kernels.* switches "
+                        f"that override the plan's (e.g. sd3-fp8:fp8_attention=false); plans: {', '.join(PLANS)}; "
+                        "default: kernels.plan=auto's")
     p.add_argument("--steps", type=int, help="every family's steps (default: each model file's own)")
     p.add_argument("--smoke", action="store_true", help="the tiny models on the CPU, in about a minute")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "benchmarks" / "families",
@@ -147,10 +151,29 @@ def diffusers_case(base, rows: list[Item], steps: int, guidance: float, batch: i
     return {**timed, "peak_gib": peak_gib(device)}, reference
 
 
+def plan_variant(text: str) -> str:
+    """A `--plans` entry, checked: a plan's name, then optionally a colon and kernels.* switches."""
+    name, switches = split_variant(text)
+    if name not in PLANS:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a plan; choose one of {list(PLANS)}")
+    unknown = sorted(set(switches) - set(SETTINGS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r} (in {text!r}) is not a kernel setting; the settings are "
+                                         f"{list(SETTINGS)}")
+    return text
+
+
+def split_variant(text: str) -> tuple[str, dict]:
+    """'sd3-fp8:fp8_attention=false,fuse_qkv=false' -> ('sd3-fp8', {'fp8_attention': False, 'fuse_qkv': False})."""
+    name, _, switches = text.partition(":")
+    return name, OmegaConf.to_container(OmegaConf.from_dotlist(switches.split(","))) if switches else {}
+
+
 def chosen_plans(family: str, float8: bool, named: list[str]) -> list[str]:
-    """The `--plans` named that serve this family in this precision, in their order, else the one
-    kernels.plan=auto picks: the first is the table's, the others run beside it."""
-    serving = [name for name in named if family in PLANS[name].families and PLANS[name].float8 == float8]
+    """The `--plans` named (with their switches) that serve this family in this precision, in their
+    order, else the one kernels.plan=auto picks: the first is the table's, the others run beside it."""
+    plans = [split_variant(text)[0] for text in named]
+    serving = [text for text, name in zip(named, plans) if family in PLANS[name].families and PLANS[name].float8 == float8]
     return serving or [AUTO]
 
 
@@ -159,10 +182,12 @@ def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str,
     """Our job with kernels.plan=`plan_name` on these rows, on a copy of the model, against diffusers'
     `baseline` (timing, reference images) -> its figures (pipeline.bench.comparison's), or the job's
     refusal of the plan or the precision."""
+    plan_name, switches = split_variant(plan_name)
     try:
-        plan = resolve_plan(plan_name, {}, base.family, device.type, precision == "fp8")
+        plan = resolve_plan(plan_name, switches, base.family, device.type, precision == "fp8")
     except UserError as refusal:
         return {"refused": str(refusal), "plan": plan_name}
+    label = plan.name + "".join(f"+{key}={value}" for key, value in switches.items())
     ours = copy.copy(base)  # our own blocks replace the copy's transformer; the baseline keeps diffusers'
     if plan.settings.compile and not owns_blocks(plan.settings, base.family):
         ours.transformer = copy.deepcopy(base.transformer)
@@ -170,13 +195,14 @@ def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str,
         ours.vae = copy.deepcopy(base.vae)
     if hasattr(base, "text_encoders"):  # released by our job (model.offload_text_encoder), kept by the base
         ours.text_encoders = dict(base.text_encoders)
-    out = args.work / conf_name / f"b{batch}-{precision}-{plan.name}"
+    out = args.work / conf_name / f"b{batch}-{precision}-{label.replace('=', '-')}"  # a path Hydra takes as a value
     shutil.rmtree(out, ignore_errors=True)
     manifest = write_manifest(rows, out.parent / f"{out.name}.parquet")
     overrides = [f"model={conf_name}", f"manifest.path={manifest}", f"output.dir={out}", f"precision={precision}",
                  f"runtime.device={device.type}", "runtime.progress=false", f"bcg.ladder=[{batch}]", "bcg.scope=step",
                  f"kernels.compile_cache_dir={args.work / 'inductor-cache'}", f"sampler.steps={steps}",
-                 f"sampler.guidance_scale={guidance}", "output.contact_sheet=false", f"kernels.plan={plan.name}"]
+                 f"sampler.guidance_scale={guidance}", "output.contact_sheet=false", f"kernels.plan={plan.name}",
+                 *(f"kernels.{key}={json.dumps(value)}" for key, value in switches.items())]
     if base.family in EMBEDDED:  # text encoding outside the clock on both sides
         overrides.append("model.offload_text_encoder=true")
     torch._dynamo.reset()  # each job's compiles count alone, and no earlier copy's code is reused
@@ -188,7 +214,7 @@ def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str,
     report = PartReport.from_dict(part, f"{conf_name} b{batch} {precision}")
     timed, reference = baseline
     figures = comparison(timed, report, seconds)
-    return {**figures["ours"], "plan": plan.name, "speedup_generate": figures["speedup_generate"],
+    return {**figures["ours"], "plan": label, "speedup_generate": figures["speedup_generate"],
             "speedup_end_to_end": figures["speedup_end_to_end"], "vs_diffusers": compare_images(out, reference),
             "dir": str(out)}
 

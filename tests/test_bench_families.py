@@ -34,12 +34,21 @@ def test_smoke_run_measures_every_family_at_every_batch_on_both_sides_and_prints
     # two plans named: the first in the table, the other beside it on the same rows; float8 refused on a CPU
     named = tmp_path / "named.json"
     proc = run_benchmark("bench_families.py", "--smoke", "--families", "dit_xl_2_256", "--batches", "1", "--precisions",
-                         "fp32", "fp8", "--plans", "eager", "compiled", "--work", str(tmp_path / "work"), "--out", str(named))
+                         "fp32", "fp8", "--plans", "eager", "compiled", "eager:attention=math", "--work",
+                         str(tmp_path / "work"), "--out", str(named))
     assert proc.returncode == 0, proc.stderr[-3000:]
     case = json.loads(named.read_text())["families"]["dit_xl_2_256"]["cases"]["1"]
     assert case["ours"]["fp32"]["plan"] == "eager" and "precision=fp8 needs a CUDA GPU" in case["ours"]["fp8"]["refused"]
-    [beside] = case["beside"]
+    beside, switched = case["beside"]
     assert (beside["precision"], beside["plan"], beside["images"]) == ("fp32", "compiled", 2)
     assert beside["vs_diffusers"]["max"] <= 1 and beside["dir"] != case["ours"]["fp32"]["dir"]
+    # a plan with an expert switch: the job ran it (its kernels say so) under its own name
+    assert switched["plan"] == "eager+attention=math" and switched["kernels"]["attention"] == "math"
+    assert switched["vs_diffusers"]["max"] <= 1 and "| dit_xl_2_256 | 1 | fp32 | eager+attention=math |" in proc.stdout
     assert "| dit_xl_2_256 | 64 | 1 | 2 | none (class labels) |" in proc.stdout and "| refused |" in proc.stdout
     assert "| dit_xl_2_256 | 1 | fp32 | compiled |" in proc.stdout
+
+    # a switch that is not a kernel setting: refused before any model is built, naming it and the settings
+    proc = run_benchmark("bench_families.py", "--smoke", "--plans", "eager:fuse_everything=true", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2 and "'fuse_everything' (in 'eager:fuse_everything=true') is not a kernel setting" in proc.stderr
+    assert "fp8_attention" in proc.stderr and not (tmp_path / "x.json").exists()
