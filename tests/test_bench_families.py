@@ -49,6 +49,7 @@ def test_smoke_run_measures_every_family_at_every_batch_on_both_sides_and_prints
     assert "| dit_xl_2_256 | 1 | fp32 | compiled |" in proc.stdout
 
     # a switch that is not a kernel setting: refused before any model is built, naming it and the settings
-    proc = run_benchmark("bench_families.py", "--smoke", "--plans", "eager:fuse_everything=true", "--out", str(tmp_path / "x.json"))
+    proc = run_benchmark("bench_families.py", "--smoke", "--plans", "eager:fuse_everything=true",
+                         "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "'fuse_everything' (in 'eager:fuse_everything=true') is not a kernel setting" in proc.stderr
     assert "fp8_attention" in proc.stderr and not (tmp_path / "x.json").exists()
