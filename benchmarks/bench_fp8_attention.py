@@ -7,6 +7,7 @@ attention_inputs. Triton kernels (pipeline/kernels/attention_inputs.py).
 On the GPU, from the repository root:
 
     python benchmarks/bench_fp8_attention.py --out outputs/benchmarks/bench_fp8_attention.json
+    python benchmarks/bench_fp8_attention.py --heads 38 --dim 64 --shapes 2:4429 --no-projections  # SD3.5 Large, CFG
 
 Inputs are [B, S, H, D] bf16 (diffusers' layout): queries and keys RMS-normalized per head as Flux's
 are, values N(0, 1). Per shape and kernel: median ms over `--iters` calls on CUDA events, TFLOP/s
@@ -37,10 +38,11 @@ from pipeline.timing import save_and_print_rows, time_kernels
 SHAPES = ((1, 4608), (4, 4608), (1, 1536))
 # from the projections: (batch, text tokens, image tokens); text 0: a single block's joined tokens
 PROJECTIONS = ((1, 0, 4608), (1, 512, 4096), (4, 0, 4608))
-HEADS, DIM = 24, 128
+HEADS, DIM = 24, 128  # Flux's; --heads, --dim for others (SD3: 64 per head)
 # (block_m, block_n, warps, stages, loads by TMA)
 CONFIGS = ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 64, 4, 3, True), (64, 128, 4, 3, True),
-           (64, 128, 4, 2, True), (64, 128, 4, 4, True), (128, 128, 8, 3, True))
+           (64, 128, 4, 2, True), (64, 128, 4, 4, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True),
+           (128, 128, 4, 3, True), (128, 128, 8, 3, True))
 
 
 def sdpa(q, k, v):
@@ -60,14 +62,15 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
             "max_abs": round(float(diff.abs().max()), 4)}
 
 
-def from_projections(batch: int, text: int, image: int, device: torch.device, iters: int) -> list[dict]:
+def from_projections(batch: int, text: int, image: int, device: torch.device, iters: int, heads: int = HEADS,
+                     dim: int = DIM) -> list[dict]:
     """Rows for the attention from the projections' outputs (a double block's text and image, or a single
     block's joined tokens: text 0): the norms, the join, the rotary embedding and the attention, compiled
     in bf16 with cuDNN (as kernels.compile runs diffusers' processor), compiled with the float8 kernel
     (the ops before it as inductor fuses them), and with fp8_attention_inputs' Triton kernels; then the
     inputs alone, compiled and by the Triton kernels."""
     gen = torch.Generator("cuda").manual_seed(0)
-    width = HEADS * DIM
+    width = heads * dim
 
     def projections(tokens):
         return tuple((torch.randn(batch, tokens, width, device="cuda", generator=gen) * 2).to(torch.bfloat16)
@@ -75,15 +78,15 @@ def from_projections(batch: int, text: int, image: int, device: torch.device, it
 
     q, k, v = projections(image)
     tq, tk, tv = projections(text)
-    weights = (torch.rand(4, DIM, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
-    angles = torch.rand(text + image, DIM // 2, device="cuda", generator=gen) * 6
+    weights = (torch.rand(4, dim, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    angles = torch.rand(text + image, dim // 2, device="cuda", generator=gen) * 6
     cos, sin = angles.cos().repeat_interleave(2, 1), angles.sin().repeat_interleave(2, 1)
-    scales = torch.full((2,), DIM ** 0.5 * 1.5 / fa.FP8_MAX, device="cuda")  # the bound of the weights above
-    args = (q, k, v, tq, tk, tv, weights, cos, sin, scales, HEADS, 1e-6)
-    scale = 1 / math.sqrt(DIM)
+    scales = torch.full((2,), dim ** 0.5 * 1.5 / fa.FP8_MAX, device="cuda")  # the bound of the weights above
+    args = (q, k, v, tq, tk, tv, weights, cos, sin, scales, heads, 1e-6)
+    scale = 1 / math.sqrt(dim)
 
     def bf16_inputs(*a):  # diffusers' ops before its SDPA call
-        return fia.rotated_reference(*a, HEADS, 1e-6)
+        return fia.rotated_reference(*a, heads, 1e-6)
 
     ref = under(SDPBackend.CUDNN_ATTENTION, sdpa)(*bf16_inputs(*args[:9]))
     bf16 = torch.compile(lambda *a: under(SDPBackend.CUDNN_ATTENTION, sdpa)(*bf16_inputs(*a)), dynamic=False)
@@ -92,9 +95,9 @@ def from_projections(batch: int, text: int, image: int, device: torch.device, it
                                  dynamic=False)
 
     def bf16_kernel():
-        q_rot, k_rot = fia.rotated_qk(q, k, tq, tk, weights, cos, sin, None, HEADS, 1e-6)
+        q_rot, k_rot = fia.rotated_qk(q, k, tq, tk, weights, cos, sin, None, heads, 1e-6)
         values = v if tv is None else torch.cat([tv, v], dim=1)
-        return under(SDPBackend.CUDNN_ATTENTION, sdpa)(q_rot, k_rot, values.unflatten(-1, (HEADS, DIM)))
+        return under(SDPBackend.CUDNN_ATTENTION, sdpa)(q_rot, k_rot, values.unflatten(-1, (heads, dim)))
 
     candidates = {"compiled norms, rotation + cudnn bf16": lambda: bf16(*args[:9]),
                   "qk kernel (bf16) + cudnn bf16": bf16_kernel,
@@ -102,7 +105,7 @@ def from_projections(batch: int, text: int, image: int, device: torch.device, it
                   "inputs kernels + fp8": lambda: torch.ops.bcg.fp8_attention(
                       *_ordered(torch.ops.bcg.fp8_attention_inputs(*args), scales), scale)}
     tokens = text + image
-    tflop = 4 * batch * HEADS * tokens ** 2 * DIM / 1e12
+    tflop = 4 * batch * heads * tokens ** 2 * dim / 1e12
     rows = time_kernels(candidates, {"batch": batch, "text": text, "tokens": tokens}, device, iters,
                         lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
     inputs = {"inputs compiled (torch ops)": lambda: inputs_compiled(*args),
@@ -117,24 +120,39 @@ def _ordered(inputs, scales):
     return q8, k8, v8t, scales, v_scale
 
 
+def shape(text: str) -> tuple[int, int]:
+    """'2:4429' -> (batch 2, 4429 tokens)."""
+    batch, _, tokens = text.partition(":")
+    if not (batch.isdigit() and tokens.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: give BATCH:TOKENS, e.g. 2:4429")
+    return int(batch), int(tokens)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_fp8_attention.json")
+    p.add_argument("--heads", type=int, default=HEADS)
+    p.add_argument("--dim", type=int, default=DIM, choices=fa.HEAD_DIMS, help="values per head")
+    p.add_argument("--shapes", nargs="+", type=shape, default=list(SHAPES), metavar="BATCH:TOKENS",
+                   help="default: Flux's, " + " ".join(f"{b}:{t}" for b, t in SHAPES))
+    p.add_argument("--no-projections", dest="projections", action="store_false",
+                   help="skip the attentions from Flux's projections (its norms and rotation)")
     args = p.parse_args()
     device = torch.device("cuda")
     results = []
-    for batch, tokens in SHAPES:
+    heads, dim = args.heads, args.dim
+    for batch, tokens in args.shapes:
         gen = torch.Generator("cuda").manual_seed(0)
-        q, k, v = (torch.randn(batch, tokens, HEADS, DIM, device="cuda", generator=gen) for _ in range(3))
-        q, k = (F.rms_norm(t, (DIM,)) for t in (q, k))
+        q, k, v = (torch.randn(batch, tokens, heads, dim, device="cuda", generator=gen) for _ in range(3))
+        q, k = (F.rms_norm(t, (dim,)) for t in (q, k))
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-        tflop = 4 * batch * HEADS * tokens ** 2 * DIM / 1e12
+        tflop = 4 * batch * heads * tokens ** 2 * dim / 1e12
         ref = under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v)
-        scales = torch.full((2,), DIM ** 0.5 / fa.FP8_MAX, device="cuda")  # the bound of RMS-normalized heads
+        scales = torch.full((2,), dim ** 0.5 / fa.FP8_MAX, device="cuda")  # the bound of RMS-normalized heads
         q8, k8 = ((t.float() / s).to(fa.FP8) for t, s in ((q, scales[0]), (k, scales[1])))
         v8t, v_scale = fa.quantize_values(v)
-        scale = 1 / math.sqrt(DIM)
+        scale = 1 / math.sqrt(dim)
         candidates = {"sdpa cudnn bf16": lambda: under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v),
                       "sdpa flash bf16": lambda: under(SDPBackend.FLASH_ATTENTION, sdpa)(q, k, v)}
         for bm, bn, w, st, tma in CONFIGS:
@@ -147,8 +165,8 @@ def main() -> None:
         candidates["compiled quantize + fp8"] = lambda: compiled_fp8(q, k, v)
         results += time_kernels(candidates, {"batch": batch, "text": 0, "tokens": tokens}, device, args.iters,
                                 lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
-    for batch, text, image in PROJECTIONS:
-        results += from_projections(batch, text, image, device, args.iters)
+    for batch, text, image in PROJECTIONS if args.projections else ():
+        results += from_projections(batch, text, image, device, args.iters, heads, dim)
     save_and_print_rows(args.out, device, args, results, ("batch", "text", "tokens"),
                         {"TFLOP/s": "tflops", "rel RMS vs cuDNN bf16": "rel_rms", "max abs": "max_abs"})
 
