@@ -170,6 +170,7 @@ class ResolvedPlan:
     settings: KernelSettings
     overrides: dict[str, Any]  # kernels.<key> the user set to a value other than the plan's
     chosen: str  # e.g. "auto: flux on cuda in bf16"
+    off_with: dict[str, str] = field(default_factory=dict)  # the plan's settings those overrides turned off (`NEEDS`)
 
     def describe(self) -> str:
         """One line for the log: the plan, how it was chosen, the settings it changes, the overrides."""
@@ -178,15 +179,35 @@ class ResolvedPlan:
                                                                  or "PyTorch's own kernels")
         if self.overrides:
             text += "; overridden by the command: " + ", ".join(f"kernels.{k}={v}" for k, v in self.overrides.items())
+        if self.off_with:
+            text += "; off with them: " + ", ".join(f"kernels.{k} (it needs {v})" for k, v in self.off_with.items())
         return text
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.name, "chosen": self.chosen, "overrides": dict(self.overrides)}
+        return {"plan": self.name, "chosen": self.chosen, "overrides": dict(self.overrides),
+                **({"off_with": dict(self.off_with)} if self.off_with else {})}
 
 
 # Settings that choose between two ways of doing one thing: the one a command turns on turns the plan's
 # other off (both turned on by the command are refused: pipeline.kernels.decoder.check).
 ALTERNATIVES = (("fuse_decoder", "compile_decoder"),)
+
+
+# A plan's setting that changes no image, and the settings it needs: where the command changes one of
+# those, the plan's setting goes off with it (said in the plan's log line; settings that change images
+# are refused instead, pipeline.kernels.REQUIRES); turned on by the command itself, it is refused
+# (pipeline.kernels.precompile.check).
+NEEDS = {"precompile": {"compile": True, "compile_scope": "blocks", "compile_dynamic": True}}
+
+
+def off_with_overrides(settings: KernelSettings, given: Mapping[str, Any]) -> dict[str, str]:
+    """{setting: what it needs}: the plan's settings on that the command's values leave without what they need."""
+    off = {}
+    for key, needs in NEEDS.items():
+        missing = [f"kernels.{k}={str(v).lower()}" for k, v in needs.items() if getattr(settings, k) != v]
+        if key not in given and getattr(settings, key) and missing:
+            off[key] = ", ".join(missing)
+    return off
 
 
 def alternatives_off(given: Mapping[str, Any]) -> dict[str, bool]:
@@ -245,5 +266,7 @@ def resolve_plan(plan: str, overrides: Mapping[str, Any], family: str, device_ty
         raise UserError(f"kernels.plan={name} is a float8 plan: choose it with precision=fp8 (its images differ from "
                          "bf16's), or choose kernels.plan=auto")
     settings = spec.resolved(**{**alternatives_off(given), **given})
+    off = off_with_overrides(settings, given)
+    settings = replace(settings, **dict.fromkeys(off, False))
     differs = {k: v for k, v in given.items() if getattr(spec.resolved(), k) != v}
-    return ResolvedPlan(name, settings, differs, chosen)
+    return ResolvedPlan(name, settings, differs, chosen, off)

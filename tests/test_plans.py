@@ -132,6 +132,16 @@ def test_expert_settings_override_the_plan_and_wrong_plans_are_refused_by_name()
     # the decoder's other way, given, turns the plan's fused decoder off; both given are refused
     plan = resolve_plan("flux", {"compile_decoder": True}, "flux", "cuda", False)
     assert plan.settings.compile_decoder and not plan.settings.fuse_decoder and plan.overrides == {"compile_decoder": True}
+    # a plan's setting that needs what the command changed goes off with it, said; given, it is refused
+    plan = resolve_plan("auto", {"compile_dynamic": False}, "flux", "cuda", True)
+    assert plan.name == "flux-fp8" and plan.settings.compile and not plan.settings.precompile
+    assert plan.to_dict()["off_with"] == {"precompile": "kernels.compile_dynamic=true"}
+    assert "off with them: kernels.precompile (it needs kernels.compile_dynamic=true)" in plan.describe()
+    check_kernels(plan.settings, "flux", None)
+    given = resolve_plan("flux", {"compile_dynamic": False, "precompile": True}, "flux", "cuda", False)
+    assert given.settings.precompile and "off_with" not in given.to_dict()
+    with pytest.raises(UserError, match="kernels.precompile saves the compiled blocks .* set those, or kernels.precompile=false"):
+        check_kernels(given.settings, "flux", None)
     both = resolve_plan("flux", {"compile_decoder": True, "fuse_decoder": True}, "flux", "cuda", False)
     with pytest.raises(UserError, match="kernels.fuse_decoder=true runs the VAE decoder on Triton kernels of its own.*"
                                         "cannot be combined with kernels.compile_decoder=true"):

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.errors import UserError
+from pipeline.plans import NEEDS
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ def unsupported(owned: bool) -> str | None:
 
 def check(kernels, device: torch.device | None) -> None:
     """kernels.precompile needs a regional compile with symbolic sizes (one artifact per kind)."""
-    if kernels.precompile and not (kernels.compile and kernels.compile_scope == "blocks" and kernels.compile_dynamic):
+    needs = NEEDS["precompile"]
+    if kernels.precompile and any(getattr(kernels, key) != value for key, value in needs.items()):
+        *first, last = (f"kernels.{key}={str(value).lower()}" for key, value in needs.items())
         raise UserError("kernels.precompile saves the compiled blocks of a regional compile with symbolic sizes: it "
-                        "needs kernels.compile=true, kernels.compile_scope=blocks and kernels.compile_dynamic=true; "
-                        "set those, or kernels.precompile=false")
+                        f"needs {', '.join(first)} and {last}; set those, or kernels.precompile=false")
 
 
 def source_digest() -> str:
