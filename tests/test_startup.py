@@ -299,3 +299,22 @@ def test_an_unreadable_precompiled_block_is_said_and_compiled_again(tmp_path, ca
         assert "Block-rows-0.aot cannot be loaded" in caplog.text and "compiling it again" in caplog.text
         caplog.clear()
     assert saved._load(tmp_path / "absent.aot") is None and not caplog.text
+
+
+def test_a_precompiled_block_that_cannot_be_written_is_said_counted_and_leaves_nothing(tmp_path, caplog):
+    """A full disk while saving: the job goes on with the compiled function it holds; the log and
+    stats.json's `precompiled.not_saved` name the block, and no partial file is left to load."""
+    import errno
+
+    from pipeline.kernels.precompile import SavedBlocks
+
+    class FullDisk:
+        def save_compiled_function(self, name):
+            Path(name).write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    saved = SavedBlocks([], tmp_path / "blocks", {})
+    with caplog.at_level("WARNING", logger="pipeline.kernels.precompile"):
+        saved._save(FullDisk(), tmp_path / "blocks" / "Block-rows-1.aot")
+    assert "Block-rows-1.aot not saved (OSError: [Errno 28] No space left on device)" in caplog.text
+    assert saved.counts["not_saved"] == ["Block-rows-1"] and list((tmp_path / "blocks").iterdir()) == []

@@ -208,14 +208,16 @@ class SavedBlocks:
             block.forward = serving
 
     def _save(self, fn: Any, path: Path) -> None:
-        """Written whole or not at all (a temporary file renamed); a failed write costs a later process
-        a compile, nothing else."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Written whole or not at all (a temporary file renamed); a failed write (a full or read-only
+        disk, an object torch cannot save) costs a later process a compile, nothing else: said, and
+        counted (`not_saved`)."""
         temporary = path.with_suffix(f".tmp{os.getpid()}")
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
             fn.save_compiled_function(str(temporary))
             os.replace(temporary, path)
         except (OSError, RuntimeError) as err:  # RuntimeError: an object in the trace that torch cannot save
             log.warning("kernels.precompile: %s not saved (%s); a later process compiles it again", path.name,
                         brief(err))
+            self.counts.setdefault("not_saved", []).append(path.stem)
             temporary.unlink(missing_ok=True)
