@@ -31,12 +31,12 @@ def absolute(path: str, cwd: str | os.PathLike) -> str:
     return os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
 
 
-def check_writable_dir(key: str, path: Path) -> None:
+def check_writable_dir(key: str, path: Path, fix: str = "choose a directory you can write") -> None:
     """Refuse, before anything is written, a directory that cannot be created or written: it must be
-    a writable directory, or the nearest existing folder above it must be."""
+    a writable directory, or the nearest existing folder above it must be. `fix`: what to do instead."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise UserError(f"{key}={path}: {existing} is not a directory; choose a directory")
+        raise UserError(f"{key}={path}: {existing} is not a directory; {fix}")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
-        raise UserError(f"{key}={path} {what}; choose a directory you can write")
+        raise UserError(f"{key}={path} {what}; {fix}")

@@ -142,6 +142,22 @@ def test_an_output_dir_that_cannot_be_created_is_refused_before_anything_is_writ
     assert one_error_line(proc) == f"error: output.dir={blocker / 'out'}: {blocker} is not a directory; choose a directory"
 
 
+def test_a_kernel_cache_that_cannot_be_created_is_refused_before_the_model_is_built(tmp_path):
+    """The per-user cache (BCG_CACHE_DIR) under a file: the job stops at start with one logged error
+    that says how to move the cache, status 2, no traceback, no image."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("+job=demo", "kernels.plan=compiled", f"output.dir={tmp_path / 'out'}", cwd=tmp_path,
+                   env={"BCG_CACHE_DIR": str(blocker / "cache")})
+    assert proc.returncode == ExitCode.USER_ERROR, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    error = next(line for line in output.splitlines() if "[ERROR]" in line)
+    assert f"kernels.compile_cache_dir={blocker / 'cache' / 'kernels'}/" in error  # the key's folder in it
+    assert error.endswith(f": {blocker} is not a directory; set kernels.compile_cache_dir or BCG_CACHE_DIR to a folder "
+                          "you can write") and "Traceback" not in output
+    assert not (tmp_path / "out" / "images").exists()
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write into a read-only directory")
 def test_an_output_dir_without_write_permission_is_refused(tmp_path):
     locked = tmp_path / "locked"

@@ -39,6 +39,7 @@ from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS
 from pipeline.plans import KernelSettings
 from pipeline.errors import UserError
 from pipeline.kernels import precompile, reductions
+from pipeline.paths import check_writable_dir
 from pipeline.process_state import saved_environ
 
 if TYPE_CHECKING:
@@ -301,6 +302,9 @@ def compile_cache(kernels: KernelSettings, out_dir: Path, device: torch.device |
     same process (a Hydra sweep) gets its own. A job that builds no kernels leaves the environment
     alone. Says at the start when the job's processes may run different kernels (`not_reproducible`)."""
     directory = cache_directory(kernels, out_dir, device)
+    if directory is not None:  # refused before the model is built (null: the per-user cache, which CACHE_HOME moves)
+        check_writable_dir("kernels.compile_cache_dir", directory,
+                           f"set kernels.compile_cache_dir or {CACHE_HOME} to a folder you can write")
     with saved_environ():
         if directory is not None:
             inductor_env, triton_env = CACHE_ENV
