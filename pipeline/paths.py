@@ -31,12 +31,13 @@ def absolute(path: str, cwd: str | os.PathLike) -> str:
     return os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
 
 
-def check_writable_dir(key: str, path: Path, fix: str = "choose a directory you can write") -> None:
+def check_writable_dir(key: str, path: Path, fix: str | None = None) -> None:
     """Refuse, before anything is written, a directory that cannot be created or written: it must be
-    a writable directory, or the nearest existing folder above it must be. `fix`: what to do instead."""
+    a writable directory, or the nearest existing folder above it must be. `fix`: what to do instead
+    (None: choose another directory)."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise UserError(f"{key}={path}: {existing} is not a directory; {fix}")
+        raise UserError(f"{key}={path}: {existing} is not a directory; {fix or 'choose a directory'}")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
-        raise UserError(f"{key}={path} {what}; {fix}")
+        raise UserError(f"{key}={path} {what}; {fix or 'choose a directory you can write'}")
