@@ -74,7 +74,7 @@ from pipeline.manifest import Item
 from pipeline.models import build_model
 from pipeline.models.base import free_memory
 from pipeline.errors import UserError
-from pipeline.plans import AUTO, PLANS, SETTINGS, resolve_plan
+from pipeline.plans import AUTO, PLANS, SETTINGS, as_override, resolve_plan
 from pipeline.precision import apply_precision
 from pipeline.report import PartReport
 from pipeline.timing import environment
@@ -202,7 +202,7 @@ def our_case(base, conf_name: str, rows: list[Item], batch: int, precision: str,
                  f"runtime.device={device.type}", "runtime.progress=false", f"bcg.ladder=[{batch}]", "bcg.scope=step",
                  f"kernels.compile_cache_dir={args.work / 'inductor-cache'}", f"sampler.steps={steps}",
                  f"sampler.guidance_scale={guidance}", "output.contact_sheet=false", f"kernels.plan={plan.name}",
-                 *(f"kernels.{key}={json.dumps(value)}" for key, value in switches.items())]
+                 *(as_override(key, value) for key, value in switches.items())]
     if base.family in EMBEDDED:  # text encoding outside the clock on both sides
         overrides.append("model.offload_text_encoder=true")
     torch._dynamo.reset()  # each job's compiles count alone, and no earlier copy's code is reused

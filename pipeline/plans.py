@@ -200,11 +200,16 @@ ALTERNATIVES = (("fuse_decoder", "compile_decoder"),)
 NEEDS = {"precompile": {"compile": True, "compile_scope": "blocks", "compile_dynamic": True}}
 
 
+def as_override(key: str, value: Any) -> str:
+    """A setting as the command line gives it: kernels.compile_dynamic=true."""
+    return f"kernels.{key}={str(value).lower() if isinstance(value, bool) else value}"
+
+
 def off_with_overrides(settings: KernelSettings, given: Mapping[str, Any]) -> dict[str, str]:
     """{setting: what it needs}: the plan's settings on that the command's values leave without what they need."""
     off = {}
     for key, needs in NEEDS.items():
-        missing = [f"kernels.{k}={str(v).lower()}" for k, v in needs.items() if getattr(settings, k) != v]
+        missing = [as_override(k, v) for k, v in needs.items() if getattr(settings, k) != v]
         if key not in given and getattr(settings, key) and missing:
             off[key] = ", ".join(missing)
     return off

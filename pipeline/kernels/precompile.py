@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.errors import UserError
-from pipeline.plans import NEEDS
+from pipeline.plans import NEEDS, as_override
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def check(kernels, device: torch.device | None) -> None:
     """kernels.precompile needs a regional compile with symbolic sizes (one artifact per kind)."""
     needs = NEEDS["precompile"]
     if kernels.precompile and any(getattr(kernels, key) != value for key, value in needs.items()):
-        *first, last = (f"kernels.{key}={str(value).lower()}" for key, value in needs.items())
+        *first, last = (as_override(key, value) for key, value in needs.items())
         raise UserError("kernels.precompile saves the compiled blocks of a regional compile with symbolic sizes: it "
                         f"needs {', '.join(first)} and {last}; set those, or kernels.precompile=false")
 
