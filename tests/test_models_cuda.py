@@ -455,29 +455,32 @@ def test_fp8_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
 
 
 @pytest.mark.parametrize("name", ["tiny_sd3", "tiny_sd35_large", "tiny_sd35_medium"])
-@pytest.mark.parametrize("plan", ["sd3", pytest.param("sd3-fp8", marks=needs_fp8)])
+@pytest.mark.parametrize("plan", ["sd3", pytest.param("sd3-fp8", marks=needs_fp8),
+                                  pytest.param("sd3-fp8:fp8_attention", marks=needs_fp8)])
 def test_sd3_plans_compiled_blocks_replay_equals_the_compiled_call(name, plan):
     """SD3's plans (the decoder aside) on an SD3-, an SD3.5-Large- and an SD3.5-Medium-like model (q/k RMS
     norms; an MMDiT-X layer; the last block ends the text stream), the blocks compiled: bf16's GELU in the
     up-projections' epilogue and SD3.5's queries' and keys' norms in their kernel; float8's layers, norms
     writing float8 rows, the GELU in the down-projections' quantization and, where the queries and keys are
-    RMS-normalized, float8 attention (SD3's attentions keep SDPA). The bf16 step is no further from the fp32
+    RMS-normalized, the queries' and keys' norms in their kernel; with the expert switch fp8_attention, float8
+    attention there instead (SD3's attentions keep SDPA either way). The bf16 step is no further from the fp32
     step than diffusers' bf16 step is (as PixArt's fused blocks, tests/test_kernels_cuda.py); the float8 step
     stays as close to diffusers' bf16 step as Flux's does; our graph replays either bit for bit."""
-    fp8 = plan == "sd3-fp8"
-    kernels = replace(PLANS[plan].resolved(), compile_decoder=False)
+    name_of_plan, _, switch = plan.partition(":")
+    fp8 = name_of_plan == "sd3-fp8"
+    kernels = replace(PLANS[name_of_plan].resolved(), compile_decoder=False, **({switch: True} if switch else {}))
     model = tiny(name)
     exact = build_model(model_config(name), torch.device("cuda"), torch.float32)
     exact.transformer.load_state_dict(model.transformer.state_dict())  # the bf16 weights, in fp32
     adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=model)
     t = adapter.transformer
     normed = t.config.qk_norm == "rms_norm"
-    mode = ("fp8" if fp8 else "kernel") if normed else "torch"
+    mode = ("fp8" if kernels.fp8_attention else "kernel") if normed else "torch"
     attentions = len(t.blocks) + sum(b.attn2 is not None for b in t.blocks)
     assert report["own_blocks"] == "sd3" and report["attention_modes"] == {mode: attentions}
     if fp8:
         assert all(b.rows_in and b.text_rows_in and b.rows_ff and b.ff.gelu_rows for b in t.blocks)
-        assert all(a.rows_out for a in t.attentions()) == normed
+        assert all(a.rows_out for a in t.attentions()) == (normed and kernels.fp8_attention)
     else:
         assert all(isinstance(b.ff.up, GeluLinear) for b in t.blocks)
     if fp8:
