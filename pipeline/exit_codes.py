@@ -39,6 +39,15 @@ class ExitCode(IntEnum):
         return cls(128 + signum)
 
 
+def stopped_text(signum: int) -> str:
+    """What a job stopped by a signal says (pipeline.guard.Interrupted), also where the CLI is stopped
+    before it has imported more than this module."""
+    import signal
+
+    return (f"stopped by {signal.Signals(signum).name}; committed batches are kept, "
+            "run the same command again to finish")
+
+
 def text_table(width: int = 100) -> str:
     """The table as plain lines, for `--help`."""
     rows = [(str(int(code)), code.meaning) for code in ExitCode] + [("other", BUG)]

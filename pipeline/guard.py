@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.exit_codes import ExitCode
+from pipeline.exit_codes import ExitCode, stopped_text
 from pipeline.fsutil import TMP_PREFIX
 from pipeline.sharding import ShardSpec
 
@@ -174,8 +174,7 @@ def _holder(fd: int) -> str:
 
 class Interrupted(RuntimeError):
     def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; committed batches are kept, "
-                         "run the same command again to finish")
+        super().__init__(stopped_text(signum))
         self.signum = signum
         self.exit_code = ExitCode.for_signal(signum)
 

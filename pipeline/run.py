@@ -20,31 +20,36 @@ import signal
 import sys
 from pathlib import Path
 
-import hydra
-from hydra import compose, initialize_config_dir
-from hydra._internal.utils import get_args_parser
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from pipeline.exit_codes import ExitCode, stopped_text
 
-from pipeline.completion import SUCCESS
-from pipeline.config import JobConfig, fill_sampler_defaults, register_configs, resolve_job
-from pipeline.errors import UserError
-from pipeline.exit_codes import ExitCode
-from pipeline.guard import Interrupted, interrupts_remembered
-from pipeline.kept_model import KeptModel
-from pipeline.launch import finished, launch
-from pipeline.overrides import check_overrides
-from pipeline.paths import CONF_DIR, absolute, check_writable_dir
-from pipeline.preflight import check_run
+try:  # a Ctrl-C while these load (hydra's import is most of the command's first second) ends in one line too
+    import hydra
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf, open_dict
+
+    from pipeline.completion import SUCCESS
+    from pipeline.config import JobConfig, fill_sampler_defaults, register_configs, resolve_job
+    from pipeline.errors import UserError
+    from pipeline.guard import Interrupted, interrupts_remembered
+    from pipeline.kept_model import KeptModel
+    from pipeline.launch import finished, launch
+    from pipeline.overrides import check_overrides
+    from pipeline.paths import CONF_DIR, absolute, check_writable_dir
+    from pipeline.preflight import check_run
+
+    register_configs()
+except KeyboardInterrupt:
+    print(f"error: {stopped_text(signal.SIGINT)}", file=sys.stderr)
+    sys.exit(ExitCode.SIGINT)
 
 log = logging.getLogger("pipeline")
 CONFIG_NAME = "config"
 # An OSError with one of these is the disk's or the permissions' fault, not a bug.
 WRITE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-
-register_configs()
 
 
 def main() -> None:
@@ -57,7 +62,7 @@ def main() -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(ExitCode.USER_ERROR)
     except KeyboardInterrupt:  # before the job handles SIGINT itself, or after it has finished
-        print(f"error: {Interrupted(signal.SIGINT)}", file=sys.stderr)
+        print(f"error: {stopped_text(signal.SIGINT)}", file=sys.stderr)
         sys.exit(ExitCode.SIGINT)
     finally:
         SWEEP_MODEL.drop()  # the sweep is over: its model and dynamo's code for it go

@@ -186,12 +186,15 @@ def test_a_failed_write_while_running_is_status_3_and_a_bug_keeps_its_traceback(
     assert user_outcome(KeyError("x")) is None
 
 
-def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path):
+@pytest.mark.parametrize("loading", ["omegaconf", "torch"])
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, loading):
+    """Ctrl-C while the command's own module loads (omegaconf: inside hydra's import, before the CLI's
+    handler exists) or while torch loads (once the command is checked)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "pipeline.run", "+job=demo", "runtime.device=cpu"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:  # torch is imported only once the command is checked: Ctrl-C while it loads
-        if line.startswith("import time:") and line.rsplit("|", 1)[1].strip().startswith("torch"):
+    for line in proc.stderr:  # a module's line is written when its import ends: the imports go on
+        if line.startswith("import time:") and line.rsplit("|", 1)[1].strip().startswith(loading):
             proc.send_signal(signal.SIGINT)
             break
     rest = proc.stderr.read()
