@@ -189,9 +189,13 @@ def test_a_failed_write_while_running_is_status_3_and_a_bug_keeps_its_traceback(
 @pytest.mark.parametrize("loading", ["omegaconf", "torch"])
 def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, loading):
     """Ctrl-C while the command's own module loads (omegaconf: inside hydra's import, before the CLI's
-    handler exists) or while torch loads (once the command is checked)."""
+    handler exists) or while torch loads (once the command is checked). The command starts as a terminal
+    starts it, with Python's own SIGINT handler: a shell's background job (which this test may run
+    under) ignores SIGINT, and Python then keeps ignoring it until the CLI installs its handler."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "pipeline.run", "+job=demo", "runtime.device=cpu"],
+    as_in_a_terminal = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "runpy.run_module('pipeline.run', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-c", as_in_a_terminal, "+job=demo", "runtime.device=cpu"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # a module's line is written when its import ends: the imports go on
         if line.startswith("import time:") and line.rsplit("|", 1)[1].strip().startswith(loading):
