@@ -159,6 +159,10 @@ class RuntimeConfig:
     # Batches the device may still be working on when the host queues the next one (0: the host
     # waits for each batch before it prepares the next, nothing overlaps).
     inflight_batches: int = 2
+    # Batches run under the torch profiler, from the second: their kernel time per image by category
+    # and the slowest kernels in stats.json's kernels.profile and the log (0: none). It drains the
+    # device before and after them, so it costs those batches their overlap.
+    profile_batches: int = 0
 
 
 @dataclass
@@ -391,6 +395,8 @@ def check_choices(cfg: JobConfig) -> None:
                         "(prompts per call from their text length)")
     if cfg.runtime.inflight_batches < 0:
         raise UserError(f"runtime.inflight_batches={cfg.runtime.inflight_batches} must be >= 0")
+    if cfg.runtime.profile_batches < 0:
+        raise UserError(f"runtime.profile_batches={cfg.runtime.profile_batches} must be >= 0 (0: no profile)")
     if cfg.sampler.steps is not None and cfg.sampler.steps < 1:  # null: the model's own
         raise UserError(f"sampler.steps={cfg.sampler.steps} must be >= 1")
     if cfg.bench.reference_images < 1:

@@ -48,6 +48,7 @@ from pipeline.plans import SETTINGS, KernelSettings, ResolvedPlan, resolve_plan
 from pipeline.precision import Precision, apply_precision, digest_record, resolve_device, resolve_precision
 from pipeline.process_state import job_scope
 from pipeline.kept_model import KeptModel, model_key, not_keepable
+from pipeline.profiling import BatchProfile
 from pipeline.prompts import PromptCache, encoding_digest, planned_prompts, prompt_cache
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
 from pipeline.startup import Preamble, StartupClock, say_imported_from_source
@@ -550,6 +551,7 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
     inflight = Inflight(runtime.inflight_batches)
     adapter = built.adapter
     ahead = Lookahead(lambda b: prepare_batch(adapter, prompts, b, built.fields, lengths[b.key]), adapter.device, stats)
+    profile = BatchProfile(runtime.profile_batches, todo, adapter.device)
     stats.generate_started = time.perf_counter()
     try:
         with logging_redirect_tqdm(), tqdm(total=sum(len(b.items) for b in todo), unit="img",
@@ -557,17 +559,23 @@ def generate(built: Built, prompts: PromptCache, planned: ShardPlan, todo: list[
             for i, batch in enumerate(todo):
                 bar.set_postfix_str(f"{size_label(batch.height, batch.width)} b{batch.bucket}")
                 following = todo[i + 1] if i + 1 < len(todo) else None
+                profile.before(i)
                 busy.begin()
                 pending = submit_with_retry(built.adapter, built.denoiser, prompts, batch, built.fields, stats,
                                             lengths[batch.key], ahead.take(batch), partial(ahead.prepare, following))
                 busy.end()
                 writer.submit(pending)
                 inflight.admit(pending)
+                profile.after(i)
                 bar.update(len(batch.items))
                 stop.check()
     finally:
+        profile.close()
         writer.close()
         built.denoiser.engine.close()
+    if profile.report is not None:
+        built.kernels["profile"] = profile.report
+        say_profile(profile.report)
     generate_s = time.perf_counter() - stats.generate_started
     written = OutputReport(layout=output.layout, shard_files=writer.assembler.shard_files,
                            bytes_per_format=dict(sorted(writer.bytes_per_format.items())))
@@ -638,6 +646,15 @@ def stopped_summary(stats: RunStats, progress: Callable[[], tuple[ShardPlan | No
         say_summary(counts["images"], counts["wall_s"], f"stopped by {signal.Signals(stop.signum).name}, {out_dir} "
                     "is not complete")
         raise
+
+
+def say_profile(report: dict) -> None:
+    """runtime.profile_batches: one line, the time per image by category and the slowest kernel."""
+    by_category = ", ".join(f"{k} {v}" for k, v in sorted(report["ms_per_image"].items(), key=lambda kv: -kv[1]))
+    name, category, ms = report["slowest_ms_per_image"][0] if report["slowest_ms_per_image"] else ("none", "", 0)
+    log.info("profile of %d batches (%d images), %s, ms per image: %s; the slowest: %s (%s, %s ms); the rest in "
+             "stats.json's kernels.profile", len(report["batches"]), report["images"], report["time"], by_category,
+             name, category, ms)
 
 
 def say_summary(images: ImageCounts, job_wall_s: float, where: str) -> None:

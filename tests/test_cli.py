@@ -98,8 +98,9 @@ def test_a_manifest_that_is_not_there_or_not_parquet_fails_before_any_heavy_impo
     ("bcg.ladder=[1,3,0]", "bcg.ladder=[1, 3, 0] is not accepted: 0 is not a bucket; buckets must be integers >= 1"),
     ("runtime.device=cuda", "runtime.device=cuda, but the installed torch {torch} is a CPU-only build; use "
                             "runtime.device=auto or cpu, or install a CUDA build of torch"),
+    ("runtime.profile_batches=-1", "runtime.profile_batches=-1 must be >= 0 (0: no profile)"),
 ])
-def test_a_bad_ladder_or_a_device_torch_lacks_is_refused_before_torch_leaving_nothing(tmp_path, override, message):
+def test_a_bad_ladder_count_or_device_torch_lacks_is_refused_before_torch_leaving_nothing(tmp_path, override, message):
     build = torch_version_module()
     if "device" in override and (build.cuda or build.hip):
         pytest.skip("this torch is built for a GPU: the job asks torch whether one is there")

@@ -61,11 +61,21 @@ def test_demo_manifest_gives_every_image_row_and_stat(demo_run):
     assert not [p for p in out.rglob("*") if p.name.startswith(".tmp-")]
 
 
-def test_same_manifest_twice_gives_identical_pngs(demo_run, tmp_path):
-    manifest, first, _ = demo_run
-    run(cpu_job(manifest, tmp_path / "again"))
+def test_same_manifest_twice_gives_identical_pngs_profiled_or_not(demo_run, tmp_path, caplog):
+    """The second run profiles two batches (runtime.profile_batches): it changes no byte, and stats.json
+    and the log say where those batches' time went."""
+    manifest, first, report = demo_run
+    with caplog.at_level("INFO", logger="pipeline.job"):
+        again = run(cpu_job(manifest, tmp_path / "again", "runtime.profile_batches=2"))
     for image in (first / "images").iterdir():
         assert (tmp_path / "again" / "images" / image.name).read_bytes() == image.read_bytes(), image.name
+    assert "profile" not in report["kernels"]
+    profile = json.loads((tmp_path / "again" / "stats.json").read_text())["kernels"]["profile"]
+    assert profile == again["kernels"]["profile"] and len(profile["batches"]) == 2
+    keys = [r["batch_key"] for r in pq.read_table(tmp_path / "again" / "shards").to_pylist()]
+    assert profile["images"] == sum(keys.count(k) for k in profile["batches"]) > 0
+    assert profile["ms_per_image"]["matmul"] > 0 and profile["slowest_ms_per_image"][0][2] > 0
+    assert "profile of 2 batches" in caplog.text
 
 
 def test_image_does_not_depend_on_batch_mates(tmp_path):
