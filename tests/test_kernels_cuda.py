@@ -221,13 +221,18 @@ def test_fast_kernels_job_matches_eager_kernels_within_tolerance(tmp_path, demo)
 
 
 def test_host_running_ahead_changes_no_byte_and_busy_is_reported(tmp_path, demo):
-    reports = {d: run(cpu_job(demo, tmp_path / str(d), *GPU, f"runtime.inflight_batches={d}")) for d in (0, 3)}
+    """Also: profiling two of the ahead-running job's batches (their replayed graphs' kernels) changes no byte."""
+    reports = {d: run(cpu_job(demo, tmp_path / str(d), *GPU, f"runtime.inflight_batches={d}",
+                              *(["runtime.profile_batches=2"] if d else []))) for d in (0, 3)}
     for image in (tmp_path / "0" / "images").iterdir():  # 0: each batch waited for before the next
         assert image.read_bytes() == (tmp_path / "3" / "images" / image.name).read_bytes(), image.name
     for report in reports.values():
         busy = report["gpu_busy"]
         assert 0 < busy["fraction"] <= busy["between_batches"] <= 1 and busy["batches"] == report["batches"]
-    print({d: r["gpu_busy"]["fraction"] for d, r in reports.items()})
+    profile = reports[3]["kernels"]["profile"]
+    assert profile["time"] == "CUDA kernel time" and len(profile["batches"]) == 2
+    assert profile["ms_per_image"]["matmul"] > 0 and profile["ms_per_image"]["attention"] > 0
+    print({d: r["gpu_busy"]["fraction"] for d, r in reports.items()}, profile["ms_per_image"])
 
 
 def test_auto_ladder_on_the_gpu_calibrates_graphs_and_predicts(tmp_path, demo):
