@@ -67,6 +67,10 @@
 #                                                # (four aspect ratios), as +job=bench runs it: diffusers' FluxPipeline
 #                                                # saved once, then our job warm (a per-user cache written by a job on
 #                                                # flux_1024.parquet's rows) and cold (an empty one); warm vs cold images
+#   bash benchmarks/gpu_checks.sh profile        # the product's command on flux_1024.parquet's 1024 px rows, batch 1, per model
+#                                                # (PROFILE_MODELS, default sd3_medium sd35_large flux_dev) and precision
+#                                                # (PROFILE_PRECISIONS, default bf16 fp8), two batches under runtime.profile_batches:
+#                                                # kernel time per image by category, the slowest kernels
 #   bash benchmarks/gpu_checks.sh sweep          # PixArt-Sigma, 60 rows: one job, then a 3-job one-process sweep over
 #                                                # bcg/ladder (the later jobs keep the model), on one warm per-user cache
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
@@ -312,6 +316,18 @@ flux_aspects() {
   python3 -m pipeline.compare /tmp/bench-flux_aspects_warm /tmp/bench-flux_aspects_cold 2>&1 | tail -1 | cut -c1-200
 }
 
+profile() {
+  local m p
+  for m in ${PROFILE_MODELS:-sd3_medium sd35_large flux_dev}; do
+    for p in ${PROFILE_PRECISIONS:-bf16 fp8}; do
+      one_job profile_${m}_$p /tmp/profile-cache +job=bench model=$m precision=$p bench.baseline=false \
+        manifest.path=jobs/manifests/flux_1024.parquet bcg.ladder=[1] runtime.profile_batches=2
+      python3 -c "import json, sys; k=json.load(open(sys.argv[1]))['kernels']; p=k.get('profile') or {}
+print('  plan', k['plan'], 'ms per image', p.get('ms_per_image')); [print('   ', *row) for row in p.get('slowest_ms_per_image', [])[:8]]" /tmp/bench-profile_${m}_$p/stats.json 2>&1 | tail -9
+    done
+  done
+}
+
 sweep() {
   local cache=/tmp/sweep-cache start rows=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet)
   rm -rf $cache /tmp/bench-sweep
@@ -355,6 +371,7 @@ for what in "${@:-cuda-tests}"; do
     cache-200) cache_200 ;;
     flux-aspects) flux_aspects ;;
     sweep) sweep ;;
+    profile) profile ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac
