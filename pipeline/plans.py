@@ -207,11 +207,16 @@ def as_override(key: str, value: Any) -> str:
     return f"kernels.{key}={str(value).lower() if isinstance(value, bool) else value}"
 
 
+def unmet_needs(settings: KernelSettings, key: str) -> list[str]:
+    """What `key` (a setting of NEEDS) needs that `settings` lacks, as the command line gives it."""
+    return [as_override(k, v) for k, v in NEEDS[key].items() if getattr(settings, k) != v]
+
+
 def off_with_overrides(settings: KernelSettings, given: Mapping[str, Any]) -> dict[str, str]:
     """{setting: what it needs}: the plan's settings on that the command's values leave without what they need."""
     off = {}
-    for key, needs in NEEDS.items():
-        missing = [as_override(k, v) for k, v in needs.items() if getattr(settings, k) != v]
+    for key in NEEDS:
+        missing = unmet_needs(settings, key)
         if key not in given and getattr(settings, key) and missing:
             off[key] = ", ".join(missing)
     return off

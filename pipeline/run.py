@@ -22,6 +22,13 @@ from pathlib import Path
 
 from pipeline.exit_codes import ExitCode, stopped_text
 
+
+def stopped_by_ctrl_c() -> None:
+    """A Ctrl-C before the job handles SIGINT itself (or after it has finished): one line, status 130."""
+    print(f"error: {stopped_text(signal.SIGINT)}", file=sys.stderr)
+    sys.exit(ExitCode.SIGINT)
+
+
 try:  # a Ctrl-C while these load (hydra's import is most of the command's first second) ends in one line too
     import hydra
     from hydra import compose, initialize_config_dir
@@ -43,8 +50,7 @@ try:  # a Ctrl-C while these load (hydra's import is most of the command's first
 
     register_configs()
 except KeyboardInterrupt:
-    print(f"error: {stopped_text(signal.SIGINT)}", file=sys.stderr)
-    sys.exit(ExitCode.SIGINT)
+    stopped_by_ctrl_c()
 
 log = logging.getLogger("pipeline")
 CONFIG_NAME = "config"
@@ -61,9 +67,8 @@ def main() -> None:
     except UserError as err:  # before Hydra has set up logging
         print(f"error: {err}", file=sys.stderr)
         sys.exit(ExitCode.USER_ERROR)
-    except KeyboardInterrupt:  # before the job handles SIGINT itself, or after it has finished
-        print(f"error: {stopped_text(signal.SIGINT)}", file=sys.stderr)
-        sys.exit(ExitCode.SIGINT)
+    except KeyboardInterrupt:
+        stopped_by_ctrl_c()
     finally:
         SWEEP_MODEL.drop()  # the sweep is over: its model and dynamo's code for it go
         restore()

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.errors import UserError
-from pipeline.plans import NEEDS, as_override
+from pipeline.plans import NEEDS, as_override, unmet_needs
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,8 @@ def unsupported(owned: bool) -> str | None:
 
 def check(kernels, device: torch.device | None) -> None:
     """kernels.precompile needs a regional compile with symbolic sizes (one artifact per kind)."""
-    needs = NEEDS["precompile"]
-    if kernels.precompile and any(getattr(kernels, key) != value for key, value in needs.items()):
-        *first, last = (as_override(key, value) for key, value in needs.items())
+    if kernels.precompile and unmet_needs(kernels, "precompile"):
+        *first, last = (as_override(key, value) for key, value in NEEDS["precompile"].items())
         raise UserError("kernels.precompile saves the compiled blocks of a regional compile with symbolic sizes: it "
                         f"needs {', '.join(first)} and {last}; set those, or kernels.precompile=false")
 
