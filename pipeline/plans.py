@@ -65,8 +65,8 @@ class KernelSettings:
     # Flux: each single-stream block multiplies its attention and MLP outputs by their own parts of
     # proj_out instead of joining them first.
     split_out_proj: bool = False
-    # Flux: every norm's modulation projection computed once per batch for every step (bcg.scope
-    # forward or step).
+    # Flux, SD3: every adaptive norm's modulation projection computed once per batch for every step
+    # (bcg.scope forward or step).
     hoist_modulation: bool = False
     # PixArt: each batch's text cut to its longest prompt (rounded up to 64 tokens), not max_sequence_length;
     # an image is then a function of its batch's texts (the plan fixes them), equal to the untrimmed up to rounding.

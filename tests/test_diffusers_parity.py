@@ -37,7 +37,7 @@ PARITY_MEASURED = {"pixart_sigma": 1, "pixart_alpha": 1, "sd3": 1, "sd3_step": 1
                    "flux_dev_step": 1, "flux_schnell": 1, "flux_schnell_step": 1, "flux_true_cfg": 1,
                    "flux_dev_own_blocks": 1, "flux_dev_hoist_modulation": 1, "flux_dev_step_hoist_modulation": 1,
                    "flux_schnell_hoist_modulation": 1, "flux_true_cfg_hoist_modulation": 1, "sd35_large": 1,
-                   "sd35_medium": 1, "sd35_medium_own_blocks": 1, "pixart_sigma_no_cfg": 1, "sd3_no_cfg": 1,
+                   "sd35_medium": 1, "sd35_medium_own_blocks": 1, "sd35_medium_step_hoist_modulation": 1, "pixart_sigma_no_cfg": 1, "sd3_no_cfg": 1,
                    "dit_no_cfg": 1}
 NO_CFG_GUIDANCE = {"pixart_sigma_no_cfg": 0.5, "sd3_no_cfg": 0.0, "dit_no_cfg": 0.0}  # else GUIDANCE
 
@@ -81,6 +81,9 @@ CASES = {  # name -> (conf/model file, its overrides, job overrides, rows, diffu
     # queries' and keys' norm op (the text tokens first)
     "sd35_medium_own_blocks": ("tiny_sd35_medium", (), ("kernels.fuse_qkv=true", "kernels.fuse_qk_norm=true"),
                                TEXT_ROWS, {}),
+    # kernels.hoist_modulation on them: every step's modulation vectors computed before the first (step scope)
+    "sd35_medium_step_hoist_modulation": ("tiny_sd35_medium", (), ("kernels.hoist_modulation=true", "bcg.scope=step"),
+                                          TEXT_ROWS, {}),
     "dit": ("tiny_dit", (), (), DIT_ROWS, {}),
     # guidance at most 1: diffusers' pipelines run no CFG (one forward per row), and so do we
     "pixart_sigma_no_cfg": ("tiny", (), (), PROMPT_ONLY_ROWS, {}),

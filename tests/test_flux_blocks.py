@@ -74,29 +74,37 @@ def test_hoisted_modulation_gives_every_step_what_the_step_computed(true_cfg):
     its width), and a row's vectors do not depend on its batch-mates."""
     flux = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)
     flux = flux.with_true_cfg(true_cfg) if true_cfg > 1 else flux
-    specs, n = flux.input_specs(64, 64), 3
+    t = hoisted_steps_match_the_step(flux, torch.tensor([3.5, 1.0, 7.0]))
+    assert len(t.modulations.layers) == 2 * len(t.double_blocks) + len(t.single_blocks) + 1
+
+
+def hoisted_steps_match_the_step(adapter, guidance: torch.Tensor, side: int = 64):
+    """The adapter's step at 4 timesteps for len(guidance) random rows, its diffusers transformer's
+    conditioning, then on our own blocks with hoist_modulation only, each step given its rows of the
+    table made over a bucket of 4 rows: the same model output (fp32); the table's rows of a row alone are
+    its rows among batch-mates -> our transformer."""
+    specs, n = adapter.input_specs(side, side), guidance.shape[0]
     gen = torch.Generator().manual_seed(0)
     cond = {name: torch.randn(n, *specs[name].shape, generator=gen) for name in ("emb", "pooled")}
-    x, guidance = torch.randn(n, *specs["x"].shape, generator=gen), torch.tensor([3.5, 1.0, 7.0])
+    x = torch.randn(n, *specs["x"].shape, generator=gen)
     timesteps = torch.tensor([1000.0, 750.0, 333.3, 20.0])
-    assert flux.per_step_conditioning(cond, guidance, timesteps, n) is None  # off: the same conditioning every step
+    assert adapter.per_step_conditioning(cond, guidance, timesteps, n) is None  # off: the same conditioning every step
     with torch.no_grad():
-        reference = [flux.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **cond}) for t in timesteps]
-    report = own_blocks(KernelSettings(hoist_modulation=True), flux)
-    assert report["own_block_settings"] == ["hoist_modulation"]
-    t = flux.transformer
-    width = t.modulation_width
-    assert len(t.modulations) == 2 * len(t.double_blocks) + len(t.single_blocks) + 1
-    assert flux.input_specs(64, 64)["pooled"].shape == (specs["pooled"].shape[0], width)
-    per_step = flux.per_step_conditioning(cond, guidance, timesteps, 4)  # the 3 rows in a bucket of 4
+        reference = [adapter.guided_eps({"x": x, "t": t.expand(n), "g": guidance, **cond}) for t in timesteps]
+    report = own_blocks(KernelSettings(hoist_modulation=True), adapter)
+    assert report["own_block_settings"] == ["hoist_modulation"] and adapter.conditioning_varies_per_step
+    width = adapter.transformer.modulation_width
+    assert adapter.input_specs(side, side)["pooled"].shape == (specs["pooled"].shape[0], width)
+    per_step = adapter.per_step_conditioning(cond, guidance, timesteps, 4)  # the n rows in a bucket of 4
     with torch.no_grad():
         for k, (t_k, ref) in enumerate(zip(timesteps, reference)):
             step_cond = per_step(k)
             assert step_cond["pooled"].shape == (n, specs["pooled"].shape[0], width)
-            out = flux.guided_eps({"x": x, "t": t_k.expand(n), "g": guidance, **step_cond})
+            out = adapter.guided_eps({"x": x, "t": t_k.expand(n), "g": guidance, **step_cond})
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    alone = flux.per_step_conditioning({name: c[1:2] for name, c in cond.items()}, guidance[1:2], timesteps, 4)
+    alone = adapter.per_step_conditioning({name: c[1:2] for name, c in cond.items()}, guidance[1:2], timesteps, 4)
     assert all(torch.equal(alone(k)["pooled"][0], per_step(k)["pooled"][1]) for k in range(len(timesteps)))
+    return adapter.transformer
 
 
 def float8_steps(adapter, own, base: dict) -> tuple[dict, object, dict]:
@@ -132,8 +140,8 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     # a double block: q|k|v and the text's, 2 out-projections, 2 feed-forwards (up, down); a single block: q|k|v,
     # the MLP's up-projection and the two parts of proj_out
     assert len(layers) == len(t.double_blocks) * 8 + len(t.single_blocks) * 4
-    assert layers[0].weight8.dtype == FP8 and all(isinstance(m, Linear) for m in t.modulations)
-    assert t.modulations[0].weight.dtype == t.proj_out.weight.dtype == torch.float32
+    assert layers[0].weight8.dtype == FP8 and all(isinstance(m, Linear) for m in t.modulations.layers)
+    assert t.modulations.layers[0].weight.dtype == t.proj_out.weight.dtype == torch.float32
     assert t.double_blocks[0].ff.gelu_rows and t.single_blocks[0].gelu_rows
     assert t.double_blocks[0].rows_in and t.double_blocks[0].rows_ff and t.single_blocks[0].rows_in
     assert t.double_blocks[0].attn.rows_out and t.single_blocks[0].attn.rows_out

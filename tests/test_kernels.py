@@ -4,7 +4,6 @@ change of kernels is a change of settings for resume."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import warnings
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CONF, cpu_job, job_config, model_config, png, rows, wide_heads_flux, write_manifest
+from conftest import CONF, cpu_job, model_config, png, rows, write_manifest
 from bcg.buffers import StaticInputs
 from pipeline.plans import KernelSettings
 from pipeline.denoise import Denoiser
@@ -536,7 +535,7 @@ def test_fused_gelu_is_refused_where_it_would_compute_something_else():
 
 
 def test_hoisted_modulation_is_refused_for_other_families_and_the_loop_scope(tmp_path):
-    with pytest.raises(UserError, match=r"kernels.hoist_modulation=true: .*Flux's .*\['flux'\].*set kernels.hoist_modulation=false"):
+    with pytest.raises(UserError, match=r"kernels.hoist_modulation=true: .*MM-DiT blocks .*\['flux', 'sd3'\].*set kernels.hoist_modulation=false"):
         check_kernels(KernelSettings(hoist_modulation=True), "pixart")
     assert output_kernels(KernelSettings(hoist_modulation=True))["hoist_modulation"]  # a resume with it off is refused
     manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 1)))

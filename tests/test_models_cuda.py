@@ -227,12 +227,16 @@ def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_com
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)
 
 
-def test_hoisted_modulation_under_compiled_blocks_and_graphs_denoises_as_its_eager_call():
-    """kernels.hoist_modulation with the fastest bf16 kernels, under compiled blocks: the step scope
-    replayed from graphs gives the latents it gives with graphs off, bit for bit, and stays close to
-    the latents of the model without any of these kernels."""
-    adapter = tiny_flux()
-    cond = {name: t.unsqueeze(1) for name, t in adapter.encode(["a cat", "a dog", "a boat"]).items()}
+@pytest.mark.parametrize("name", ["tiny_flux", "tiny_sd35_medium"])
+def test_hoisted_modulation_under_compiled_blocks_and_graphs_denoises_as_its_eager_call(name):
+    """kernels.hoist_modulation with the fastest bf16 kernels (Flux's; the sd3 plan's on an SD3.5-Medium-like
+    model, CFG's [negative; positive] rows), under compiled blocks: the step scope replayed from graphs gives
+    the latents it gives with graphs off, bit for bit, and stays close to the latents of the model without
+    any of these kernels."""
+    adapter = tiny(name)
+    prompts = ["a cat", "a dog", "a boat"]
+    encoded = adapter.encode([""] * 3 * (adapter.cfg_rows - 1) + prompts)  # CFG: the negative prompts first
+    cond = {key: t.unflatten(0, (adapter.cfg_rows, 3)).transpose(0, 1) for key, t in encoded.items()}
     noise = batch_noise([1, 2, 3], adapter.latent_shape(64, 64), adapter.dtype, adapter.device)
     guidance = torch.full((3,), 3.5, device="cuda")
 
@@ -247,6 +251,8 @@ def test_hoisted_modulation_under_compiled_blocks_and_graphs_denoises_as_its_eag
     reference = denoise(False)
     kernels = KernelSettings(attention="cudnn", fuse_gelu=True, split_out_proj=True, hoist_modulation=True, compile=True,
                             compile_scope="blocks")
+    if name != "tiny_flux":
+        kernels = replace(PLANS["sd3"].resolved(), compile_decoder=False, hoist_modulation=True)
     report = apply_kernels(kernels, adapter, (64, 64), shapes=4)
     assert "hoist_modulation" in report["own_block_settings"] and adapter.conditioning_varies_per_step
     replayed_latents, eager_latents = denoise(True), denoise(False)

@@ -20,7 +20,7 @@ from pipeline.kernels import check_kernels, output_kernels
 from pipeline.kernels.attention import FP8_ATTENTION_OP, probe_attention
 from pipeline.models import build_model
 from pipeline.plans import KernelSettings
-from test_flux_blocks import FP8_STEP_REL_ERR, float8_steps, regional_compile_steps, rel_err
+from test_flux_blocks import FP8_STEP_REL_ERR, float8_steps, hoisted_steps_match_the_step, regional_compile_steps, rel_err
 from test_kernels import random_inputs
 
 MODELS = ("tiny_sd3", "tiny_sd35_large", "tiny_sd35_medium")
@@ -98,7 +98,7 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     # a block: q|k|v and the text's, 2 out-projections, 2 feed-forwards (up, down); the last block no text
     # out-projection nor feed-forward; a second attention: q|k|v and its out-projection
     assert len(layers) == 8 * blocks - 3 + 2 * dual
-    assert all(isinstance(m, Linear) and m.weight.dtype == torch.float32 for b in t.blocks for m in (b.mod, b.text_mod))
+    assert all(isinstance(m, Linear) and m.weight.dtype == torch.float32 for m in t.modulations.layers)
     assert all(b.ff.gelu_rows and b.rows_in and b.text_rows_in and b.rows_ff for b in t.blocks)
     assert t.blocks[0].rows_in2 and t.blocks[0].text_rows_ff and not t.blocks[-1].text_rows_ff
     assert all(a.rows_out for a in t.attentions())
@@ -111,6 +111,18 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     assert report["attention_modes"] == {"torch": len(plain.transformer.blocks)}
 
 
+@pytest.mark.parametrize("name", ["tiny_sd3", "tiny_sd35_medium"])
+def test_hoisted_modulation_gives_every_step_what_the_step_computed(name):
+    """kernels.hoist_modulation on SD3's blocks: every adaptive norm's modulation (an MMDiT-X block's nine
+    vectors, the last block's text scale and shift, the output norm's) for every step at once, each step
+    given its rows: the step's model output with CFG's [negative; positive] rows, whatever the batch-mates."""
+    sd3 = sd3_model(name)
+    t = hoisted_steps_match_the_step(sd3, torch.tensor([4.5, 1.0, 7.0]))
+    assert len(t.modulations.layers) == 2 * len(t.blocks) + 1
+    c = t.config.num_attention_heads * t.config.attention_head_dim
+    assert t.modulation_width == c * (12 * len(t.blocks) - 4 + 3 * len(t.config.dual_attention_layers) + 2)
+
+
 def test_sd3_settings_are_named_in_the_digest_and_refused_where_they_cannot_run():
     """The joint blocks' settings serve SD3 (checked before any model); Flux's own single-block settings and
     PixArt's residual blocks do not; a model already on our blocks is not given them again; a transformer
@@ -118,7 +130,7 @@ def test_sd3_settings_are_named_in_the_digest_and_refused_where_they_cannot_run(
     exact = KernelSettings(fuse_qkv=True, fuse_qk_norm=True)
     check_kernels(KernelSettings(fp8=True, fp8_norm=True, fp8_attention=True, fuse_qkv=True, fuse_qk_norm=True), "sd3")
     assert output_kernels(exact)["fuse_qkv"] and output_kernels(exact)["fuse_qk_norm"]
-    for key in ("split_out_proj", "hoist_modulation", "fuse_residual"):
+    for key in ("split_out_proj", "fuse_residual"):
         with pytest.raises(UserError, match=rf"kernels.{key}=true: .*this model is 'sd3'"):
             check_kernels(KernelSettings(**{key: True}), "sd3")
     sd3 = build_model(model_config("tiny_sd35_large"), torch.device("cpu"), torch.float32)
@@ -138,8 +150,9 @@ def test_own_blocks_compile_one_graph_per_block_kind_and_compute_the_eager_step(
     resolution and batch (CFG's [negative; positive] rows: never a batch of one); the compiled step is the
     eager one's."""
     sd3 = sd3_model("tiny_sd35_medium")
-    settings = {"fuse_qkv": True, "fuse_qk_norm": True}
-    outs, attempts, graphs = regional_compile_steps(owned(sd3, **settings), owned(sd3, **settings))
+    settings = {"fuse_qkv": True, "fuse_qk_norm": True, "hoist_modulation": True}
+    outs, attempts, graphs = regional_compile_steps(owned(sd3, **settings), owned(sd3, **settings),
+                                                    lambda x: x["pooled"].normal_())
     assert graphs == 3, graphs  # dual, plain, last
     assert attempts == {"compile_attempt_0": 3}, attempts
     for compiled, reference in outs:

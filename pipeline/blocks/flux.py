@@ -10,8 +10,7 @@ kernels they call is data (`FluxKernels`, from the job's kernel plan), fixed whe
 - split_out_proj: a single block multiplies its attention and MLP outputs by their own parts of
   proj_out and adds them, instead of joining them into one tensor first;
 - hoist_modulation: every norm's modulation (scales, shifts, gates) for every step of a batch
-  computed before its first step (`modulation_table`), each weight read once per batch; the forward
-  is then given the step's vector in place of the pooled prompt and each block takes its window of it;
+  computed before its first step (pipeline.blocks.joint's `modulation_table`);
 - fuse_qk_norm: the queries' and keys' RMS norms, the text and image tokens joined and the rotary
   embedding in one Triton kernel (pipeline.kernels.attention_inputs);
 - fp8_attention: the attention's two matmuls in float8 (pipeline.kernels.fp8_attention), its output
@@ -34,9 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.joint import (BlockKernels, FeedForward, activated, check_head_dim, fp8_rows, kernel_attention,
-                                   modulated_norm, norm_weights, project, projections, residual_ff)
-from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear, linear_of
+from pipeline.blocks.joint import (BlockKernels, FeedForward, JointTransformer, Modulations, activated, check_head_dim,
+                                   fp8_rows, kernel_attention, modulated_norm, norm_weights, project, projections,
+                                   residual_ff)
+from pipeline.blocks.layers import Fp8Linear, GeluLinear, linear, linear_of
 from pipeline.errors import UserError
 from pipeline.kernels import fp8_attention, fp8_gelu
 
@@ -181,7 +181,7 @@ def check_source(source: torch.nn.Module) -> None:
                         "checkpoint's differ: choose kernels.plan=eager")
 
 
-class FluxTransformer(OwnTransformer):
+class FluxTransformer(JointTransformer):
     """FluxTransformer2DModel's forward (without ControlNet or IP-Adapter inputs) over our blocks."""
 
     def __init__(self, source: torch.nn.Module, kernels: FluxKernels):
@@ -195,20 +195,8 @@ class FluxTransformer(OwnTransformer):
         self.single_blocks = torch.nn.ModuleList(SingleBlock(b, kernels, device) for b in source.single_transformer_blocks)
         norms = [n for b in source.transformer_blocks for n in (b.norm1, b.norm1_context)]
         norms += [b.norm for b in source.single_transformer_blocks] + [source.norm_out]
-        # every norm's modulation projection (diffusers' weights), in the order the forward takes them
-        self.modulations = torch.nn.ModuleList(Linear(n.linear.weight, n.linear.bias) for n in norms)
-        widths = [m.weight.shape[0] for m in self.modulations]
-        self.offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        self.modulations = Modulations([n.linear for n in norms])  # in the order the forward takes them
         self.out_eps = source.norm_out.norm.eps
-
-    @property
-    def hoisted(self) -> bool:
-        return self.kernels.hoist_modulation
-
-    @property
-    def modulation_width(self) -> int:
-        """Values per row of the hoisted modulation vector: every norm's scales, shifts and gates."""
-        return self.offsets[-1]
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         """The blocks a regional compile compiles (one code per kind, shared by every block of it)."""
@@ -221,12 +209,9 @@ class FluxTransformer(OwnTransformer):
         step's modulation vector [B, modulation_width], and the timestep and guidance are in it."""
         assert not return_dict, "our blocks return a tuple"
         img = self.x_embedder(hidden_states)
-        if self.hoisted:
-            mods = [pooled_projections[:, a:b] for a, b in zip(self.offsets, self.offsets[1:])]
-        else:
-            temb = self.time_embedding(timestep.to(img.dtype) * 1000,
-                                       None if guidance is None else guidance.to(img.dtype) * 1000, pooled_projections)
-            mods = [m(F.silu(temb).to(img.dtype)) for m in self.modulations]
+        mods = self.step_modulations(pooled_projections, lambda: self.time_embedding(
+            timestep.to(img.dtype) * 1000, None if guidance is None else guidance.to(img.dtype) * 1000,
+            pooled_projections))
         txt = self.context_embedder(encoder_hidden_states)
         cos, sin = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
         steps = iter(mods)
@@ -245,16 +230,3 @@ class FluxTransformer(OwnTransformer):
         """diffusers' time (and guidance) and pooled-prompt embedding; timestep and guidance x 1000."""
         return self.time_text_embed(timestep, pooled) if guidance is None else self.time_text_embed(timestep, guidance,
                                                                                                      pooled)
-
-    @torch.no_grad()
-    def modulation_table(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
-                         pooled: torch.Tensor) -> torch.Tensor:
-        """Every norm's modulation of R rows: timestep [R], guidance [R] or None (x 1000, as the forward
-        gives them to the time embedding), pooled [R, P] -> [R, modulation_width], each norm's columns
-        at its offset (what `hoist_modulation`'s forward reads)."""
-        embedding = self.time_embedding(timestep, guidance, pooled)
-        table = embedding.new_empty((embedding.shape[0], self.modulation_width))
-        act = F.silu(embedding).to(embedding.dtype)
-        for m, a, b in zip(self.modulations, self.offsets, self.offsets[1:]):  # written in place, no second copy
-            table[:, a:b] = m(act)
-        return table

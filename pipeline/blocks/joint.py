@@ -1,8 +1,12 @@
 """What the project's MM-DiT blocks share (Flux's, pipeline.blocks.flux; SD3's, pipeline.blocks.sd3): their
 kernels as data (`BlockKernels`: SD3's `JointKernels`, Flux's `FluxKernels`), the modulated layer norms
 (or their float8 rows), the q|k|v projections, the tanh-GELU feed-forward and the residual feed-forward
-that follows each attention, and the attention of RMS-normalized queries and keys by the project's
-kernels (`kernel_attention`).
+that follows each attention, the attention of RMS-normalized queries and keys by the project's
+kernels (`kernel_attention`), and the transformers' adaptive norms' modulation projections
+(`Modulations`, `JointTransformer`): computed each step from the time embedding, or with
+hoist_modulation for every step of a batch before its first (`modulation_table`), each weight read once
+per batch; the forward is then given the step's vector in place of the pooled prompt and each norm
+takes its window of it.
 
 Each computes diffusers' ops in diffusers' order where its settings are off; which kernels run is fixed
 when a block is built.
@@ -16,7 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.layers import Fp8Linear, GeluLinear, linear
+from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear
 from pipeline.errors import UserError
 from pipeline.kernels import attention_inputs, fp8_attention, fp8_gelu
 from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
@@ -52,6 +56,78 @@ class JointKernels(BlockKernels):
     fuse_qk_norm: bool = False
     fp8_attention: bool = False
     fp8_norm: bool = False
+    hoist_modulation: bool = False
+
+
+class Modulations(torch.nn.Module):
+    """A transformer's adaptive norms' modulation projections (diffusers' weights, as they are), in the order
+    its forward takes them: each norm's scales, shifts and gates from SiLU(the time embedding) [R, C]."""
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Linear(layer.weight, layer.bias) for layer in layers)
+        widths = [layer.weight.shape[0] for layer in layers]
+        self.offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+
+    @property
+    def width(self) -> int:
+        """Values per row of every norm's modulation together."""
+        return self.offsets[-1]
+
+    def each(self, act: torch.Tensor) -> list[torch.Tensor]:
+        """Every norm's modulation [R, width_i] of act [R, C] (one step's)."""
+        return [layer(act) for layer in self.layers]
+
+    def table(self, act: torch.Tensor) -> torch.Tensor:
+        """act [R, C] -> [R, width], each norm's columns at its offset (written in place: no second copy)."""
+        table = act.new_empty((act.shape[0], self.width))
+        for layer, a, b in zip(self.layers, self.offsets, self.offsets[1:]):
+            table[:, a:b] = layer(act)
+        return table
+
+    def windows(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        """A step's vector [R, width] (a `table`'s rows) -> every norm's modulation, its columns."""
+        return [vector[:, a:b] for a, b in zip(self.offsets, self.offsets[1:])]
+
+
+class JointTransformer(OwnTransformer):
+    """What Flux's and SD3's own transformers share: their adaptive norms' modulation (`modulations`), per step
+    or, with kernels.hoist_modulation, given to the forward as each step's precomputed vector."""
+
+    kernels: BlockKernels
+    modulations: Modulations
+
+    @property
+    def hoisted(self) -> bool:
+        """Whether the forward takes each step's modulation vector in place of the pooled prompt."""
+        return self.kernels.hoist_modulation
+
+    @property
+    def modulation_width(self) -> int:
+        """Values per row of the hoisted modulation vector: every norm's scales, shifts and gates."""
+        return self.modulations.width
+
+    def step_modulations(self, pooled: torch.Tensor, embedding) -> list[torch.Tensor]:
+        """Every norm's modulation for this step: hoisted, the windows of `pooled` (the step's vector);
+        else of SiLU(`embedding()`, the time embedding) in the model's dtype."""
+        if self.hoisted:
+            return self.modulations.windows(pooled)
+        temb = embedding()
+        return self.modulations.each(F.silu(temb).to(temb.dtype))
+
+    def time_embedding(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
+                       pooled: torch.Tensor) -> torch.Tensor:
+        """The time (and guidance) and pooled-prompt embedding [R, C] the forward computes from its arguments."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def modulation_table(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
+                         pooled: torch.Tensor) -> torch.Tensor:
+        """Every norm's modulation of R rows from the time embedding's arguments as the forward gives them
+        (timestep [R], guidance [R] or None, pooled [R, P]) -> [R, modulation_width]: what the hoisted
+        forward reads."""
+        embedding = self.time_embedding(timestep, guidance, pooled)
+        return self.modulations.table(F.silu(embedding).to(embedding.dtype))
 
 
 def fp8_rows(*layers: torch.nn.Module) -> bool:

@@ -20,6 +20,8 @@ they are built:
 - fp8_norm: the modulated layer norms whose only readers are float8 layers write float8 rows, the
   second norms with the residual adds before them (pipeline.kernels.fp8_norm: the same math as
   diffusers' adaptive norms, which SD3's are);
+- hoist_modulation: every adaptive norm's modulation for every step of a batch computed before its
+  first step (pipeline.blocks.joint's `modulation_table`), as Flux's;
 - fuse_qk_norm, fp8_attention: attentions with RMS-normalized queries and keys (SD3.5) run Flux's
   kernels (pipeline.kernels.attention_inputs, fp8_attention) with no rotation (cos 1, sin 0), the
   text tokens first (the attention of a query does not depend on the keys' order; the sums may add
@@ -38,9 +40,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.joint import (FeedForward, JointKernels, check_head_dim, fp8_rows, kernel_attention,
-                                   modulated_norm, norm_weights, project, projections, residual_ff)
-from pipeline.blocks.layers import Linear, OwnTransformer, linear
+from pipeline.blocks.joint import (FeedForward, JointKernels, JointTransformer, Modulations, check_head_dim, fp8_rows,
+                                   kernel_attention, modulated_norm, norm_weights, project, projections, residual_ff)
+from pipeline.blocks.layers import linear
 from pipeline.errors import UserError
 from pipeline.kernels import fp8_attention
 
@@ -132,10 +134,6 @@ class JointBlock(torch.nn.Module):
         self.pre_only = block.context_pre_only
         self.attn = Attention(block.attn, kernels, device)
         self.attn2 = None if block.attn2 is None else Attention(block.attn2, kernels, device)
-        # each norm's modulation projection (diffusers' weights): 6C (9C with a second attention); the
-        # text's 6C, or in the last block scale|shift (2C)
-        self.mod = Linear(block.norm1.linear.weight, block.norm1.linear.bias)
-        self.text_mod = Linear(block.norm1_context.linear.weight, block.norm1_context.linear.bias)
         self.ff = FeedForward.of(block.ff, kernels)
         self.ff_context = None if self.pre_only else FeedForward.of(block.ff_context, kernels)
         self.eps = (block.norm1.norm.eps, block.norm1_context.norm.eps, block.norm2.eps,
@@ -147,18 +145,17 @@ class JointBlock(torch.nn.Module):
         self.rows_ff = rows and fp8_rows(self.ff.up)
         self.text_rows_ff = rows and not self.pre_only and fp8_rows(self.ff_context.up)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, act: torch.Tensor, cos: torch.Tensor | None,
-                sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """img [B, S_i, C], txt [B, S_t, C], act = SiLU(the time and pooled-text embedding) [B, C], cos
-        and sin of no rotation (the kernel modes) -> (img, txt; None after a context_pre_only block)."""
-        mod = self.mod(act)
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, mod: torch.Tensor, text_mod: torch.Tensor,
+                cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """img [B, S_i, C], txt [B, S_t, C], the image norm's modulation [B, 6C] (9C with a second attention)
+        and the text norm's [B, 6C] (the last block's: scale|shift [B, 2C]), cos and sin of no rotation (the
+        kernel modes) -> (img, txt; None after a context_pre_only block)."""
         if self.attn2 is None:
             shift, scale, gate, shift_ff, scale_ff, gate_ff = mod.chunk(6, dim=1)
             x = modulated_norm(img, shift, scale, self.eps[0], self.rows_in)
         else:
             shift, scale, gate, shift_ff, scale_ff, gate_ff, shift2, scale2, gate2 = mod.chunk(9, dim=1)
             x, x2 = self.dual_norms(img, shift, scale, shift2, scale2)
-        text_mod = self.text_mod(act)
         if self.pre_only:  # AdaLayerNormContinuous: scale first
             c_scale, c_shift = text_mod.chunk(2, dim=1)
         else:
@@ -216,9 +213,12 @@ def check_source(source: torch.nn.Module) -> None:
             refuse(f"transformer_blocks.{i} has a layer norm with an affine transform")
         if block._chunk_size is not None:
             refuse(f"transformer_blocks.{i} chunks its feed-forward")
+    final = getattr(getattr(source, "norm_out", None), "norm", None)
+    if not isinstance(final, torch.nn.LayerNorm) or final.elementwise_affine:
+        refuse("its output norm is not a layer norm without an affine transform")
 
 
-class SD3Transformer(OwnTransformer):
+class SD3Transformer(JointTransformer):
     """SD3Transformer2DModel's forward (without ControlNet, IP-Adapter or skipped layers) over our blocks."""
 
     def __init__(self, source: torch.nn.Module, kernels: JointKernels):
@@ -227,9 +227,14 @@ class SD3Transformer(OwnTransformer):
         device = source.device
         self.kernels = kernels
         self.pos_embed, self.time_text_embed = source.pos_embed, source.time_text_embed
-        self.context_embedder, self.norm_out, self.proj_out = source.context_embedder, source.norm_out, source.proj_out
+        self.context_embedder, self.proj_out = source.context_embedder, source.proj_out
         self.out_channels = source.out_channels
         self.blocks = torch.nn.ModuleList(JointBlock(b, kernels, device) for b in source.transformer_blocks)
+        # each block's image norm's projection (6C, 9C with a second attention) and its text norm's (6C; the
+        # last block's scale|shift, 2C), then the output norm's (scale|shift), in the order the forward takes them
+        norms = [n for b in source.transformer_blocks for n in (b.norm1, b.norm1_context)] + [source.norm_out]
+        self.modulations = Modulations([n.linear for n in norms])
+        self.out_eps = source.norm_out.norm.eps
         attentions = self.attentions()
         self.head_dim = attentions[0].head_dim
         self.rotation = any(a.mode != "torch" for a in attentions)  # the kernels read cos and sin
@@ -243,26 +248,33 @@ class SD3Transformer(OwnTransformer):
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, timestep: torch.Tensor, return_dict: bool = False):
-        """diffusers' arguments -> (output,): latents [B, C, H, W] in, the velocity of the same shape out."""
+        """diffusers' arguments -> (output,): latents [B, C, H, W] in, the velocity of the same shape out.
+        Hoisted: `pooled_projections` is the step's modulation vector [B, modulation_width], the timestep in it."""
         assert not return_dict, "our blocks return a tuple"
         height, width = hidden_states.shape[-2:]
         img = self.pos_embed(hidden_states).contiguous()
-        temb = self.time_text_embed(timestep, pooled_projections)
+        mods = iter(self.step_modulations(pooled_projections,
+                                          lambda: self.time_embedding(timestep, None, pooled_projections)))
         txt = self.context_embedder(encoder_hidden_states)
-        act = F.silu(temb)  # what every adaptive norm's projection reads
         cos = sin = None
         if self.rotation:  # no rotation: the kernels' rotary inputs as the identity
             tokens = img.shape[1] + txt.shape[1]
             cos = torch.ones(tokens, self.head_dim, device=img.device, dtype=torch.float32)
             sin = torch.zeros_like(cos)
         for block in self.blocks:
-            img, txt = block(img, txt, act, cos, sin)
-        img = self.proj_out(self.norm_out(img, temb))
+            img, txt = block(img, txt, next(mods), next(mods), cos, sin)
+        scale, shift = next(mods).chunk(2, dim=1)  # diffusers' AdaLayerNormContinuous: scale first
+        img = self.proj_out(modulated_norm(img, shift, scale, self.out_eps, False))
         patch = self.config.patch_size
         height, width = height // patch, width // patch
         img = img.reshape(img.shape[0], height, width, patch, patch, self.out_channels)
         img = torch.einsum("nhwpqc->nchpwq", img)
         return (img.reshape(img.shape[0], self.out_channels, height * patch, width * patch),)
+
+    def time_embedding(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
+                       pooled: torch.Tensor) -> torch.Tensor:
+        """diffusers' time and pooled-prompt embedding (SD3 has no guidance embedding: `guidance` None)."""
+        return self.time_text_embed(timestep, pooled)
 
     def attention_modes(self) -> dict[str, int]:
         """How many attentions run each way (torch: PyTorch's SDPA; kernel; fp8) -> what the job reports."""

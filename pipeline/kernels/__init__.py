@@ -79,7 +79,7 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FUSE_QKV: (("pixart", "sd3", "flux"), "diffusers fuses the projections of model families {families}, not {family!r}"),
     FUSE_RESIDUAL: (("pixart",), "the block it computes is PixArt's (model families {families}); this model is {family!r}"),
     SPLIT_OUT_PROJ: (("flux",), "it splits the out-projection of " + FLUX_BLOCKS),
-    HOIST_MODULATION: (("flux",), "it precomputes the modulation of " + FLUX_BLOCKS),
+    HOIST_MODULATION: (("flux", "sd3"), "it precomputes the adaptive norms' modulation of " + JOINT_BLOCKS),
     TRIM_TEXT: (("pixart",), "model families {families} mask the text padding out of attention, {family!r} does "
                              "not (its images would change)"),
     FUSE_QK_NORM: (("flux", "sd3"), "it computes the attention inputs of " + JOINT_BLOCKS),

@@ -31,12 +31,12 @@ from diffusers import AutoencoderKL, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from bcg.buffers import InputSpec, pad_rows
-from pipeline.blocks.flux import FluxTransformer
+from bcg.buffers import InputSpec
 from pipeline.config import ModelConfig
 from pipeline.manifest import Item
 from pipeline.model_info import default_tokens, pipelines_of
 from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
+from pipeline.models.modulation import HoistsModulation
 from pipeline.models.source import Source, default_max_side, load_component, make_modules, vae_scale_factor
 from pipeline.models.tokenizer import build_char_tokenizer, build_clip_char_tokenizer, pad_tokens
 from pipeline.transfer import to_device
@@ -51,7 +51,7 @@ ENCODERS = ("text_encoder", "text_encoder_2")  # CLIP-L, T5
 TOKENIZERS = ("tokenizer", "tokenizer_2")
 
 
-class FluxAdapter(TextEncodedVAE):
+class FluxAdapter(HoistsModulation, TextEncodedVAE):
     """text_encoders: text_encoder (CLIP-L), text_encoder_2 (T5); tokenizers: tokenizer, tokenizer_2."""
 
     family = "flux"
@@ -113,48 +113,21 @@ class FluxAdapter(TextEncodedVAE):
     def input_specs(self, height: int, width: int) -> dict[str, InputSpec]:
         """Conditioning [K, ...] per row: K = 1 (the prompt), or 2 ([negative, positive]) with true CFG."""
         config, k = self.transformer.config, 2 if self.uses_cfg else 1
-        hoisted = self._hoisted()
         return {
             "x": InputSpec(self.latent_shape(height, width), self.dtype),
             "t": InputSpec((), torch.float32),
             "g": InputSpec((), torch.float32),
             "emb": InputSpec((k, self.max_sequence_length, config.joint_attention_dim), self.dtype),
             # kernels.hoist_modulation: the step's precomputed modulation vector in its place
-            "pooled": InputSpec((k, config.pooled_projection_dim if hoisted is None else hoisted.modulation_width),
-                                self.dtype),
+            "pooled": InputSpec((k, self.pooled_width(config.pooled_projection_dim)), self.dtype),
         }
 
-    def _hoisted(self) -> FluxTransformer | None:
-        """Our own transformer when it takes each step's precomputed modulation (kernels.hoist_modulation), else None."""
-        return self.transformer if isinstance(self.transformer, FluxTransformer) and self.transformer.hoisted else None
-
-    @property
-    def conditioning_varies_per_step(self) -> bool:
-        return self._hoisted() is not None
-
-    def per_step_conditioning(self, cond: dict[str, torch.Tensor], guidance: torch.Tensor, timesteps: torch.Tensor,
-                              rows: int) -> Callable[[int], dict[str, torch.Tensor]] | None:
-        """With kernels.hoist_modulation: every step's modulation vector of every row, computed now
-        from the rows' pooled prompts [n, K, P] and guidance [n] and the steps' timesteps [steps]
-        (float32, as `t`), each value rounded as guided_eps and the transformer's forward round it,
-        over `rows` rows (the bucket: padded with zeros, so that a row's vectors come from the same
-        matmul whatever its batch-mates) -> step -> the conditioning with "pooled" [n, K, width].
-        Else None."""
-        hoisted = self._hoisted()
-        if hoisted is None:
-            return None
-        n, k, steps = cond["pooled"].shape[0], cond["pooled"].shape[1], timesteps.shape[0]
-        specs = {"pooled": InputSpec(tuple(cond["pooled"].shape[1:]), self.dtype), "g": InputSpec((), torch.float32)}
-        padded = pad_rows(specs, {"pooled": cond["pooled"], "g": guidance}, n, rows)  # as the engine pads them
-        pooled = padded["pooled"]
-        # table rows in (step, row, k) order: a step's vectors are one contiguous [rows, K, width] block
-        guidance_rows = None
-        if self.transformer.config.guidance_embeds:
-            guidance_rows = (padded["g"].to(self.dtype) * 1000).repeat_interleave(k).repeat(steps)  # as the forward
-        vectors = hoisted.modulation_table(
-            (transformer_timestep(timesteps, self.dtype) * 1000).repeat_interleave(rows * k), guidance_rows,
-            pooled.reshape(rows * k, -1).repeat(steps, 1)).view(steps, rows, k, -1)
-        return lambda step: {**cond, "pooled": vectors[step, :n]}
+    def modulation_inputs(self, timesteps: torch.Tensor,
+                          guidance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As guided_eps and the transformer's forward round them: the timestep in the model's dtype (x 1000),
+        FLUX.1-dev's guidance too (schnell embeds none)."""
+        embedded = (guidance.to(self.dtype) * 1000) if self.transformer.config.guidance_embeds else None
+        return transformer_timestep(timesteps, self.dtype) * 1000, embedded
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step's model output, graph-safe: x [B,16,h,w], t [B] (sigma x 1000), g [B] (guidance

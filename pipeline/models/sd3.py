@@ -23,6 +23,7 @@ from pipeline.errors import UserError
 from pipeline.manifest import Item
 from pipeline.model_info import pipelines_of
 from pipeline.models.base import TextEncodedVAE, decode_shifted, pipeline_over, released_message
+from pipeline.models.modulation import HoistsModulation
 from pipeline.models.source import (
     Source,
     build_random_modules,
@@ -43,7 +44,7 @@ CLIPS = ("text_encoder", "text_encoder_2")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
 
-class SD3Adapter(TextEncodedVAE):
+class SD3Adapter(HoistsModulation, TextEncodedVAE):
     """text_encoders: text_encoder, text_encoder_2 (CLIPs), text_encoder_3 (T5, may be None);
     tokenizers: tokenizer, tokenizer_2, tokenizer_3."""
 
@@ -94,8 +95,14 @@ class SD3Adapter(TextEncodedVAE):
             "g": InputSpec((), torch.float32),
             "emb": InputSpec((self.cfg_rows, self.clip_length + self.max_sequence_length, cfg.joint_attention_dim),
                              self.dtype),
-            "pooled": InputSpec((self.cfg_rows, cfg.pooled_projection_dim), self.dtype),
+            # kernels.hoist_modulation: the step's precomputed modulation vector in its place
+            "pooled": InputSpec((self.cfg_rows, self.pooled_width(cfg.pooled_projection_dim)), self.dtype),
         }
+
+    def modulation_inputs(self, timesteps: torch.Tensor,
+                          guidance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The timestep as guided_eps gives it (float32, sigma x 1000); SD3 embeds no guidance."""
+        return timesteps, None
 
     def guided_eps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step, graph-safe: x [B,C,h,w], t [B] (sigma x 1000), g [B], emb [B,K,S,D], pooled
@@ -104,7 +111,7 @@ class SD3Adapter(TextEncodedVAE):
         x, t, g = inputs["x"], inputs["t"], inputs["g"]
         b, k = x.shape[0], inputs["emb"].shape[1]
         emb = inputs["emb"].transpose(0, 1).reshape(k * b, *inputs["emb"].shape[2:])
-        pooled = inputs["pooled"].transpose(0, 1).reshape(k * b, -1)
+        pooled = torch.cat(inputs["pooled"].unbind(1))  # [negative; positive] rows, never a view of the input
         out = self.transformer(
             hidden_states=torch.cat([x] * k),
             timestep=torch.cat([t] * k),
