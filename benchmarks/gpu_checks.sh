@@ -71,6 +71,7 @@
 #                                                # (PROFILE_MODELS, default sd3_medium sd35_large flux_dev) and precision
 #                                                # (PROFILE_PRECISIONS, default bf16 fp8), two batches under runtime.profile_batches:
 #                                                # kernel time per image by category, the slowest kernels
+#                                                # (PROFILE_MANIFEST=path, PROFILE_LADDER="[16]": other rows, batches)
 #   bash benchmarks/gpu_checks.sh sweep          # PixArt-Sigma, 60 rows: one job, then a 3-job one-process sweep over
 #                                                # bcg/ladder (the later jobs keep the model), on one warm per-user cache
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
@@ -321,7 +322,7 @@ profile() {
   for m in ${PROFILE_MODELS:-sd3_medium sd35_large flux_dev}; do
     for p in ${PROFILE_PRECISIONS:-bf16 fp8}; do
       one_job profile_${m}_$p /tmp/profile-cache +job=bench model=$m precision=$p bench.baseline=false \
-        manifest.path=jobs/manifests/flux_1024.parquet bcg.ladder=[1] runtime.profile_batches=2
+        manifest.path=${PROFILE_MANIFEST:-jobs/manifests/flux_1024.parquet} bcg.ladder=${PROFILE_LADDER:-[1]} runtime.profile_batches=2
       python3 -c "import json, sys; k=json.load(open(sys.argv[1]))['kernels']; p=k.get('profile') or {}
 print('  plan', k['plan'], 'ms per image', p.get('ms_per_image')); [print('   ', *row) for row in p.get('slowest_ms_per_image', [])[:8]]" /tmp/bench-profile_${m}_$p/stats.json 2>&1 | tail -9
     done
