@@ -250,6 +250,17 @@ def test_precompiled_blocks_are_saved_by_the_first_process_and_loaded_untraced_b
         {k: v for k, v in images(tmp_path / "later").items() if k in both}
 
 
+def test_a_saved_block_is_keyed_by_its_inputs_layout():
+    """hoist_modulation hands the blocks column windows of one table where they otherwise take whole rows: a
+    compiled block guards its inputs' strides, so a block saved for one layout is not the one loaded for the
+    other (its guards would refuse every call)."""
+    from pipeline.kernels.precompile import describe
+
+    table = torch.zeros(2, 96)
+    assert describe(table[:, 32:64]) != describe(table[:, 32:64].contiguous())
+    assert describe(table[:1, 32:64]) == describe(table[:1, 32:64].contiguous())  # one row: no stride to guard
+
+
 def test_precompile_is_said_unsupported_for_diffusers_blocks_and_refused_without_a_regional_compile():
     pixart = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     report = apply_kernels(KernelSettings(compile=True, compile_scope="blocks", precompile=True), pixart, None, shapes=1)

@@ -81,10 +81,11 @@ def source_digest() -> str:
 
 
 def describe(value: Any) -> Any:
-    """What of a block's input its compiled code depends on: a tensor's dtype and rank (its sizes are
-    symbolic), anything else as it is (dicts and tuples of them item by item)."""
+    """What of a block's input its compiled code depends on: a tensor's dtype, rank and whether it is
+    contiguous (its sizes are symbolic; a view's strides are guarded: hoist_modulation's windows), anything
+    else as it is (dicts and tuples of them item by item)."""
     if torch.is_tensor(value):
-        return [str(value.dtype), value.dim()]
+        return [str(value.dtype), value.dim(), value.is_contiguous()]
     if isinstance(value, (tuple, list)):
         return [describe(v) for v in value]
     if isinstance(value, dict):
@@ -163,7 +164,7 @@ class SavedBlocks:
 
     def key(self, name: str, kind: str, rows: str, inputs: str) -> str:
         """The artifact's name: the block's class, one row or more (the block's first tensor input), and
-        a digest of everything its code depends on (its weights' shapes, its inputs' dtypes and ranks)."""
+        a digest of everything its code depends on (its weights' shapes, its inputs' dtypes, ranks and layouts)."""
         what = [kind, rows, inputs, self.options, torch.__version__, self.sources]
         digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=stable).encode()).hexdigest()[:16]
         return f"{name}-{rows}-{digest}"
