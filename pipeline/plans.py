@@ -110,10 +110,10 @@ _COMPILED = {"attention": "cudnn", "compile": True, "compile_scope": "blocks"}
 _FLUX = {"compile": True, "compile_scope": "blocks", "fuse_gelu": True, "split_out_proj": True,
          "hoist_modulation": True, "persistent_reductions": True, "fuse_qk_norm": True, "precompile": True, **_DECODER}
 _FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fuse_qkv": True, "fuse_qk_norm": False}
-# SD3's as Flux's where they apply (no single-stream blocks to split, a modulation a fraction of a step);
-# its float8 plan keeps bf16 attention: at 64 values per head the softmax, not the matmuls, bounds it
+# SD3's as Flux's where they apply (no single-stream blocks to split); its float8 plan keeps bf16 attention:
+# at 64 values per head the softmax, not the matmuls, bounds it
 _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_gelu": True, "persistent_reductions": True,
-        "fuse_qk_norm": True, "precompile": True, **_DECODER}
+        "fuse_qk_norm": True, "hoist_modulation": True, "precompile": True, **_DECODER}
 _SD3_FP8 = {**_SD3, "fp8": True, "fp8_norm": True, "fuse_qkv": True}
 _FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "trim_text_padding": True, **_DECODER}
 # the float8 blocks' row functions (residual adds, norms, quantizations) compiled, each one kernel
@@ -134,8 +134,8 @@ PLANS: dict[str, Plan] = {
                      "down-projection's quantization, cuDNN attention; the decoder's group norms fused", ("pixart",), _FAST_FP8,
                      cuda_only=_FP8_CORES, float8=True),
     "sd3": Plan("SD3's own joint blocks compiled once for every shape and saved whole for later jobs to load: the GELU in "
-                "the up-projection's epilogue, SD3.5's queries' and keys' norms in one kernel, cuDNN attention; the "
-                "decoder's group norms fused", ("sd3",), _SD3,
+                "the up-projection's epilogue, SD3.5's queries' and keys' norms in one kernel, every step's modulation "
+                "computed before a batch's first, cuDNN attention; the decoder's group norms fused", ("sd3",), _SD3,
                 cuda_only=_EPILOGUE),
     "sd3-fp8": Plan("the sd3 plan with float8 linear layers, norms writing float8 rows and fused q|k|v projections; "
                     "attention stays in bf16 (float8's, at SD3's 64 values per head, is slower: docs/BENCHMARKS.md)",
