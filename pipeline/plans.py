@@ -116,8 +116,8 @@ _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_
         "fuse_qk_norm": True, "hoist_modulation": True, "precompile": True, **_DECODER}
 _SD3_FP8 = {**_SD3, "fp8": True, "fp8_norm": True, "fuse_qkv": True}
 _FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "trim_text_padding": True, **_DECODER}
-# the float8 blocks' row functions (residual adds, norms, quantizations) compiled, each one kernel
-_FAST_FP8 = {**_FAST, "fp8": True, "compile": True, "compile_scope": "norms", "persistent_reductions": True}
+# the float8 blocks' row functions (residual adds, norms, quantizations) each one Triton kernel, q|k|v joined
+_FAST_FP8 = {**_FAST, "fp8": True, "fp8_norm": True, "fuse_qkv": True}
 _EPILOGUE = "the GELU runs in cuBLASLt's epilogue, which only CUDA has"
 _FP8_CORES = "float8 tensor cores (sm89+)"
 
@@ -129,9 +129,10 @@ PLANS: dict[str, Plan] = {
                  "epilogue, a fixed Triton layer norm and cuDNN attention, each batch's text cut to its longest prompt, "
                  "the decoder's group norms fused; nothing compiled",
                  ("pixart",), _FAST, cuda_only=_EPILOGUE),
-    "fast-fp8": Plan("PixArt's own blocks with float8 linear layers, each residual add and layer norm in the kernel "
-                     "that quantizes the next layers' rows (compiled once for every row count), the GELU in the "
-                     "down-projection's quantization, cuDNN attention; the decoder's group norms fused", ("pixart",), _FAST_FP8,
+    "fast-fp8": Plan("PixArt's own blocks with float8 linear layers, each residual add and layer norm in the Triton "
+                     "kernel that quantizes the next layers' rows, the GELU in the down-projection's quantization, "
+                     "q|k|v joined, cuDNN attention, each batch's text cut to its longest prompt; nothing compiled; "
+                     "the decoder's group norms fused", ("pixart",), _FAST_FP8,
                      cuda_only=_FP8_CORES, float8=True),
     "sd3": Plan("SD3's own joint blocks compiled once for every shape and saved whole for later jobs to load: the GELU in "
                 "the up-projection's epilogue, SD3.5's queries' and keys' norms in one kernel, every step's modulation "

@@ -114,28 +114,41 @@ def bf16_errors(kernels: dict[str, KernelSettings | None], key: tuple[int, int])
 @needs_fp8
 def test_float8_residual_blocks_replay_bit_identical_and_round_within_float8_of_fast():
     """kernels.plan=fast-fp8 (the decoder aside): PixArt's float8 blocks, their residual adds, norms and
-    quantizations compiled once for every row count. Replay equals the eager call bit for bit at every
+    quantizations as Triton kernels, q|k|v joined. Replay equals the eager call bit for bit at every
     bucket; the bf16 step is within float8's rounding of the fp32 step, as far from it as Flux's float8
-    blocks are from bf16 (tests/test_models_cuda.py); a row's float8 rows do not depend on the rows
+    blocks are from bf16 (tests/test_models_cuda.py); each row function gives the torch functions' float8
+    rows within a float8 step (the stream's bytes equal); a row's float8 rows do not depend on the rows
     quantized with it (a bucket, a shard, a resumed batch)."""
+    from pipeline.kernels import residual_rows
     from test_models_cuda import FP8_STEP_REL_ERR
 
     key = (64, 64)
     plans = {name: PLANS[name].resolved(compile_decoder=False) for name in ("fast", "fast-fp8")}
     models, reports, error = bf16_errors(plans, key)
     report, fp8 = reports["fast-fp8"], models["fast-fp8"]
-    assert report["fp8_blocks"] and report["compile_scope"] == "norms" and report["reproducible"] is True
+    assert report["fp8_blocks"] and report["fp8_rows"] == "Triton kernels" and report["reproducible"] is True
     assert error["fast"] < error["fast-fp8"] < FP8_STEP_REL_ERR, error
     assert_replay_equals_eager(fp8, key)
     gen = torch.Generator("cuda").manual_seed(0)
     rows, update = (torch.randn(1003, 1152, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
     gate, modulation = (torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16) for shape in ((1152,), (2, 1152)))
-    norm_rows = fp8.transformer.rows.norm
+    rows_fns = fp8.transformer.rows
+    for name, args in (("norm", (rows, update, gate, modulation, 1e-6)), ("norm", (rows, None, None, modulation, 1e-6)),
+                       ("norm", (rows, update, None, modulation, 1e-6)), ("add", (rows, update, gate)),
+                       ("quantize", (rows,))):
+        got, want = getattr(rows_fns, name)(*args), getattr(residual_rows.EAGER, name)(*args)
+        if name != "quantize":
+            assert torch.equal(got[0], want[0]), name
+        (q, scale), (want_q, want_scale) = got[-2:], want[-2:]
+        torch.testing.assert_close(scale, want_scale, rtol=2 ** -7, atol=0)  # the rows' maxima, rounded alike
+        steps = (q.float() * scale - want_q.float() * want_scale).abs() / (want_q.float().abs() * want_scale * 2 ** -3 + 2 ** -9 * want_scale)
+        assert steps.max() <= 1.01 and (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean() > 0.95, name
+    norm_rows = rows_fns.norm
     whole = norm_rows(rows, update, gate, modulation, 1e-6)
     for start, stop in ((0, 2), (5, 905), (1000, 1003)):
         part = norm_rows(rows[start:stop], update[start:stop], gate, modulation, 1e-6)
         assert all(torch.equal(a.view(torch.uint8), b[start:stop].view(torch.uint8)) for a, b in zip(part, whole))
-    one = norm_rows(rows[:1], update[:1], gate, modulation, 1e-6)  # uncompiled: the same bytes on every call
+    one = norm_rows(rows[:1], update[:1], gate, modulation, 1e-6)  # the same bytes on every call
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(one, norm_rows(rows[:1], update[:1], gate, modulation, 1e-6)))
 

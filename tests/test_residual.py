@@ -140,6 +140,9 @@ def test_compiled_norms_serve_every_shape_with_one_graph():
     (KernelSettings(fuse_residual=True, attention="flash_attn"), "cannot be combined with kernels.attention=flash_attn"),
     (KernelSettings(fuse_residual=True, compile=True, compile_scope="blocks"), "set kernels.compile_scope=norms"),
     (KernelSettings(compile=True, compile_scope="norms"), "set kernels.fuse_residual=true"),
+    (KernelSettings(fuse_residual=True, fp8=True, fp8_norm=True, compile=True, compile_scope="norms"),
+     r"kernels.fp8_norm=true runs PixArt's float8 row functions as Triton kernels .* cannot be combined with "
+     r"kernels.compile_scope=norms"),
 ])
 def test_settings_that_would_change_the_fused_block_are_refused(kernels, match):
     with pytest.raises(UserError, match=match):
@@ -175,8 +178,9 @@ def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close(
     matmul and the kernels' torch references): every block linear layer is float8 with its weight quantized
     once; each residual add is done by the function that next reads the stream, whose norm is fast's (the
     same bytes, then quantized); the GELU in the down-projection's quantization gives the bytes the unfused
-    GELU gives; the step stays close to diffusers' fp32 step, masked captions of three lengths included; the
-    plan's digest names the row functions."""
+    GELU gives; the step stays close to diffusers' fp32 step, masked captions of three lengths included, with
+    the projections joined as fast-fp8 joins them too (kernels.fuse_qkv: 7 float8 layers a block, not 10); the
+    plan's digest names the row functions, the Triton kernels' under kernels.fp8_norm."""
     from pipeline.blocks.layers import Fp8Linear
     from pipeline.blocks.pixart import modulated_norm
     from pipeline.kernels import fp8, output_kernels, residual_rows
@@ -185,14 +189,16 @@ def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close(
 
     truth = step(torch.float32, None)
     steps = {gelu: step(torch.float32, KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=gelu)) for gelu in (False, True)}
+    joined = step(torch.float32, KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=True, fuse_qkv=True, fp8_norm=True))
     assert torch.equal(steps[True], steps[False])
-    assert rel_err(steps[True], truth) < FP8_STEP_REL_ERR
-    adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    report = apply_kernels(KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=True), adapter, None, shapes=4,
-                           device_checks=False)
-    t = adapter.transformer
-    assert report["fp8_blocks"] and report["fused_residual_blocks"] == len(t.blocks)
-    assert sum(isinstance(m, Fp8Linear) for m in t.modules()) == 10 * len(t.blocks) and t.blocks[0].gelu_rows
+    assert rel_err(steps[True], truth) < FP8_STEP_REL_ERR and rel_err(joined, truth) < FP8_STEP_REL_ERR
+    for settings, layers in ((KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=True), 10),
+                             (PLANS["fast-fp8"].resolved(fuse_decoder=False), 7)):
+        adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
+        report = apply_kernels(settings, adapter, None, shapes=4, device_checks=False)
+        t = adapter.transformer
+        assert report["fp8_blocks"] and report["fused_residual_blocks"] == len(t.blocks)
+        assert sum(isinstance(m, Fp8Linear) for m in t.modules()) == layers * len(t.blocks) and t.blocks[0].gelu_rows
     gen = torch.Generator().manual_seed(0)
     rows, update = (torch.randn(37, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
     gate, modulation = torch.randn(16, generator=gen).to(torch.bfloat16), torch.randn(2, 16, generator=gen).to(torch.bfloat16)
@@ -200,7 +206,8 @@ def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close(
     assert torch.equal(stream, (rows.float() + gate.float() * update.float()).to(torch.bfloat16))
     want8, want_scale = fp8.quantize_rows(modulated_norm(stream, torch.zeros(16), modulation, 1e-6))
     assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(scale, want_scale)
-    assert output_kernels(PLANS["fast-fp8"].resolved())["residual_rows"] == residual_rows.SETTING
+    assert output_kernels(PLANS["fast-fp8"].resolved())["residual_rows"] == residual_rows.TRITON_SETTING
+    assert output_kernels(PLANS["fast-fp8"].resolved(fp8_norm=False))["residual_rows"] == residual_rows.SETTING
 
 
 @pytest.mark.slow

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["is_own", "own_blocks", "owns_blocks"]
 
-UNFUSED_FP8 = ("kernels: float8 layers without kernels.compile quantize their activations in separate, unfused "
-               "kernels, which makes a step slower than bf16 (docs/BENCHMARKS.md)")
+UNFUSED_FP8 = ("kernels: float8 layers without kernels.compile (PixArt's: or kernels.fp8_norm on CUDA) quantize their "
+               "activations in separate, unfused kernels, which makes a step slower than bf16 (docs/BENCHMARKS.md)")
 
 
 def is_own(transformer) -> bool:
@@ -74,20 +74,24 @@ def own_blocks(settings: KernelSettings, adapter) -> dict:
                         "options": compile_options(settings.compile_mode, settings.compile_tuning,
                                                    settings.persistent_reductions),
                         "constants_options": compile_options("default", settings.compile_tuning)}
-        adapter.transformer = pixart.build(adapter.transformer, settings.fuse_gelu, compiled, settings.fp8).eval()
         cuda = adapter.device.type == "cuda"
+        triton_rows = settings.fp8 and settings.fp8_norm and cuda
+        adapter.transformer = pixart.build(adapter.transformer, settings.fuse_gelu, compiled, settings.fp8,
+                                           triton_rows=triton_rows, fuse_qkv=settings.fuse_qkv).eval()
         norm = pixart.fixed_norm.SETTING if cuda else "compiled" if compiled else "eager"
         if settings.fp8:
-            if compiled is None:
+            rows = "Triton kernels" if triton_rows else "compiled" if compiled else "PyTorch's ops"
+            if rows == "PyTorch's ops":
                 log.warning(UNFUSED_FP8)
-            log.info("kernels: PixArt's own float8 blocks (%d), their residual adds and layer norms in the kernels "
+            log.info("kernels: PixArt's own float8 blocks (%d%s), their residual adds and layer norms in the kernels "
                      "that quantize the next layers' rows (%s)", len(adapter.transformer.blocks),
-                     "compiled" if compiled else "PyTorch's ops")
+                     ", q|k|v joined" if settings.fuse_qkv else "", rows)
         else:
             log.info("kernels: PixArt's own blocks (%d), their residual adds inside the matmuls, layer norms by %s",
                      len(adapter.transformer.blocks), f"the Triton kernel {norm}" if cuda else f"PyTorch's ops ({norm})")
+        fp8_report = {"fp8_blocks": True, "fp8_rows": rows} if settings.fp8 else {}
         return {"own_blocks": "pixart", "fused_residual_blocks": len(adapter.transformer.blocks), "residual_norm": norm,
-                "fused_gelu_layers": adapter.transformer.fused_gelus(), **({"fp8_blocks": True} if settings.fp8 else {})}
+                "fused_gelu_layers": adapter.transformer.fused_gelus(), **fp8_report}
     return {}
 
 

@@ -11,12 +11,15 @@ What `kernels=fast` fuses, and how it stays fused here:
   `gate`) and before the feed-forward (the cross-attention's output), and the quantization of the
   cross-attention's queries' input (the gated self-attention's output). That kernel reads the stream
   and the update, writes the new stream and the float8 rows the next layers read
-  (pipeline.kernels.residual_rows: one inductor kernel each under compile_scope=norms). The gate is a
+  (pipeline.kernels.residual_rows: one Triton kernel each with kernels.fp8_norm on CUDA, one inductor
+  kernel each under compile_scope=norms). The gate is a
   multiply in that kernel, so nothing is folded into a weight per step and no bias is carried: the
   float8 weights are quantized once, when the blocks are built.
 - The GELU: in the down-projection's float8 quantization, one Triton kernel (kernels.fuse_gelu,
   pipeline.kernels.fp8_gelu), as in Flux's and SD3's float8 blocks.
 - The layer norms: each writes float8 rows (its only readers are float8 layers) in the kernel above.
+- With kernels.fuse_qkv, the self-attention's q|k|v projections are one float8 matmul and the
+  cross-attention's k|v another (the attention reads views of their outputs).
 
 Against `fast`, a block's matmuls run on float8 tensor cores (twice bf16's rate on Hopper) and each
 residual add costs one more write and read of an update ([tokens, C] in bf16) than the epilogue's;
@@ -41,22 +44,17 @@ from pipeline.blocks.pixart import PixArtTransformer, attention_rows, compiled_r
 from pipeline.errors import UserError
 from pipeline.kernels import fp8, fp8_gelu, residual_rows
 from pipeline.kernels.fp8 import QuantizedRows
+from pipeline.kernels.residual_rows import RowFunctions
 
 
-@dataclass(frozen=True)
-class RowFunctions:
-    """The row functions the float8 blocks call (pipeline.kernels.residual_rows), eager or compiled."""
-
-    norm: Callable  # norm_rows(rows, update, gate, modulation, eps) -> (stream, x8, scales)
-    add: Callable  # added_rows(rows, update, gate) -> (stream, x8, scales)
-    quantize: Callable  # fp8.quantize_rows(rows) -> (x8, scales)
-
-
-def row_functions(compiled: dict | None) -> RowFunctions:
-    """The torch functions (`compiled` None), or each compiled with inductor for every row count
-    (`compiled`: compile_scope=norms' keywords, `dynamic` and `options`; see pixart.compiled_rows)."""
+def row_functions(compiled: dict | None, triton: bool = False) -> RowFunctions:
+    """The row functions as Triton kernels (`triton`: kernels.fp8_norm on CUDA), as torch functions
+    (`compiled` None), or each compiled with inductor for every row count (`compiled`: compile_scope=norms'
+    keywords, `dynamic` and `options`; see pixart.compiled_rows)."""
+    if triton:
+        return residual_rows.triton_functions()
     if compiled is None:
-        return RowFunctions(residual_rows.norm_rows, residual_rows.added_rows, fp8.quantize_rows)
+        return residual_rows.EAGER
     dynamic, options = compiled["dynamic"], compiled["options"]
     return RowFunctions(compiled_rows(residual_rows.norm_rows, dynamic, options, (0, 1)),
                         compiled_rows(residual_rows.added_rows, dynamic, options, (0, 1)),
@@ -73,11 +71,23 @@ class Modulations:
     gate_mlp: torch.Tensor  # [L, C]
 
 
+def projections(layers: tuple[torch.nn.Linear, ...], join: bool) -> torch.nn.ModuleList:
+    """Float8 layers of these projections: one joined along its outputs (`join`), or one each."""
+    return torch.nn.ModuleList([linear(list(layers), True)] if join else [linear([m], True) for m in layers])
+
+
+def projected(layers: torch.nn.ModuleList, x: QuantizedRows, channels: int) -> list[torch.Tensor]:
+    """Each projection of x [B, N, C] (one joined layer: its output split into views of `channels` each)."""
+    if len(layers) == 1:
+        return list(layers[0](x).split(channels, dim=-1))
+    return [layer(x) for layer in layers]
+
+
 class Fp8ResidualBlock(torch.nn.Module):
     """diffusers' PixArt BasicTransformerBlock with float8 layers, whose residual adds are done by the
     kernels that read the stream next (see the module's docstring)."""
 
-    def __init__(self, block: torch.nn.Module, index: int, fuse_gelu: bool):
+    def __init__(self, block: torch.nn.Module, index: int, fuse_gelu: bool, fuse_qkv: bool = False):
         super().__init__()
         from diffusers.models.activations import GELU
 
@@ -89,8 +99,9 @@ class Fp8ResidualBlock(torch.nn.Module):
         self.eps1, self.eps2 = block.norm1.eps, block.norm2.eps
         a1, a2 = block.attn1, block.attn2
         self.heads1, self.heads2 = a1.heads, a2.heads
-        self.q1, self.k1, self.v1, self.out1 = (linear([m], True) for m in (a1.to_q, a1.to_k, a1.to_v, a1.to_out[0]))
-        self.q2, self.k2, self.v2, self.out2 = (linear([m], True) for m in (a2.to_q, a2.to_k, a2.to_v, a2.to_out[0]))
+        # fuse_qkv: the self-attention's q|k|v one matmul, the cross-attention's k|v another
+        self.qkv1, self.kv2 = (projections(layers, fuse_qkv) for layers in ((a1.to_q, a1.to_k, a1.to_v), (a2.to_k, a2.to_v)))
+        self.out1, self.q2, self.out2 = (linear([m], True) for m in (a1.to_out[0], a2.to_q, a2.to_out[0]))
         self.ff_up, self.ff_down = linear([up.proj], True), linear([block.ff.net[2]], True)
         self.gelu_rows = (fuse_gelu and isinstance(self.ff_down, Fp8Linear)
                           and self.ff_down.in_features <= fp8_gelu.MAX_COLS)
@@ -116,12 +127,12 @@ class Fp8ResidualBlock(torch.nn.Module):
         # self-attention on LN(h), the previous feed-forward added first
         stream, x8, scale = rows.norm(h.view(batch * tokens, channels), update, gate, m.attn_mod[i], self.eps1)
         x = as_rows(x8, scale)
-        attn = attention_rows(self.q1(x), self.k1(x), self.v1(x), self.heads1, None)  # [B*N, C]
+        attn = attention_rows(*projected(self.qkv1, x, channels), self.heads1, None)  # [B*N, C]
         out = self.out1(QuantizedRows(*rows.quantize(attn), dtype))
         # cross-attention on the stream itself (PixArt applies no norm here), the gated self-attention added first
         stream, x8, scale = rows.add(stream, out, m.gate_msa[i])
         q = self.q2(as_rows(x8, scale))
-        attn = attention_rows(q, self.k2(context), self.v2(context), self.heads2, mask)
+        attn = attention_rows(q, *projected(self.kv2, context, channels), self.heads2, mask)
         out = self.out2(QuantizedRows(*rows.quantize(attn), dtype))
         # feed-forward on LN(h), the cross-attention added first; its gated output joins the next block's norm
         stream, x8, scale = rows.norm(stream, out, None, m.ff_mod[i], self.eps2)
@@ -134,7 +145,9 @@ class Fp8PixArtTransformer(PixArtTransformer):
     the first, the captions quantized once, the last feed-forward added before the final layer norm
     (`norm`: on CUDA the fixed Triton kernel)."""
 
-    def __init__(self, source: torch.nn.Module, fuse_gelu: bool, norm: Callable, rows: RowFunctions):
+    def __init__(self, source: torch.nn.Module, fuse_gelu: bool, norm: Callable, rows: RowFunctions,
+                 fuse_qkv: bool = False):
+        self.fuse_qkv = fuse_qkv  # read by make_block, which the base class calls
         super().__init__(source, fuse_gelu, norm, modulations)
         self.rows = rows
 
@@ -143,7 +156,7 @@ class Fp8PixArtTransformer(PixArtTransformer):
         self.register_buffer("tables", torch.stack([b.scale_shift_table.detach() for b in blocks]))
 
     def make_block(self, block: torch.nn.Module, index: int, fuse_gelu: bool) -> torch.nn.Module:
-        return Fp8ResidualBlock(block, index, fuse_gelu)
+        return Fp8ResidualBlock(block, index, fuse_gelu, self.fuse_qkv)
 
     def run_blocks(self, h: torch.Tensor, step: torch.Tensor, context: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:

@@ -62,6 +62,8 @@ def switch(name: str) -> Option:
 FLASH_ATTN = Option("attention=flash_attn", lambda k: k.attention == "flash_attn",
                     f"kernels.attention to auto or one of PyTorch's SDPA backends {list(SDPA)}")
 FUSE_QKV, FUSE_GELU, FUSE_RESIDUAL = switch("fuse_qkv"), switch("fuse_gelu"), switch("fuse_residual")
+# PixArt's bf16/fp16 residual blocks (its float8 ones join their projections: kernels.fuse_qkv)
+FUSE_RESIDUAL_BF16 = Option("fuse_residual=true", lambda k: k.fuse_residual and not k.fp8, "kernels.fuse_residual=false")
 FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
 SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
 PERSISTENT, FP8_ATTENTION = switch("persistent_reductions"), switch("fp8_attention")
@@ -85,7 +87,8 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
     FUSE_QK_NORM: (("flux", "sd3"), "it computes the attention inputs of " + JOINT_BLOCKS),
     FP8_ATTENTION: (("flux", "sd3"), "its scales come from the bound of RMS-normalized queries and keys (Flux's, "
                                      "SD3.5's: model families {families}); this model is {family!r}"),
-    FP8_NORM: (("flux", "sd3"), "it computes the norms of " + JOINT_BLOCKS),
+    FP8_NORM: (("pixart", "sd3", "flux"), "it computes the norms of the own float8 blocks of model families {families}; "
+                                          "this model is {family!r}"),
     FP8: (("pixart", "sd3", "flux"), "its float8 layers are those of the own blocks of model families {families}; "
                                      "this model is {family!r}"),
     FUSE_GELU: (("pixart", "sd3", "flux"), "its GELU runs in the feed-forwards of the own blocks of model families "
@@ -104,10 +107,12 @@ FAMILY_REQUIRES: dict[tuple[Option, str], tuple[Option, str]] = {
 RESIDUAL_OWNS_ATTENTION = "computes the attention and folds the gates into bf16/fp16 weights itself"
 EXCLUDES: tuple[tuple[Option, Option, str], ...] = (
     (FUSE_QKV, FLASH_ATTN, "replaces the attention processor"),
-    (FUSE_RESIDUAL, FUSE_QKV, RESIDUAL_OWNS_ATTENTION),
+    (FUSE_RESIDUAL_BF16, FUSE_QKV, RESIDUAL_OWNS_ATTENTION + " (its float8 blocks, kernels.fp8, join q|k|v)"),
     (FUSE_RESIDUAL, FLASH_ATTN, RESIDUAL_OWNS_ATTENTION),
     (FUSE_DECODER, COMPILE_DECODER, "runs the VAE decoder on Triton kernels of its own, which inductor would "
                                     "compile instead"),
+    (FP8_NORM, NORMS, "runs PixArt's float8 row functions as Triton kernels of its own, which inductor would compile "
+                      "instead"),
 )
 
 # (options that, all on, need another option; why: the settings' values filled in, e.g. "{compile_scope}")
@@ -135,7 +140,7 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
         if option.on(kernels):
             fp8.check_fp8(device, f"kernels.{option.key}")
     if torch.device(device).type == "cuda":
-        for option, what in ((FUSE_RESIDUAL, "runs its layer norm"), (FP8_NORM, "runs Flux's modulated norms"),
+        for option, what in ((FUSE_RESIDUAL, "runs its layer norm"), (FP8_NORM, "runs the modulated norms writing float8 rows"),
                              (FUSE_QK_NORM, "normalizes and rotates the queries and keys"),
                              (FP8_ATTENTION, "computes the attention"),
                              (FUSE_DECODER, "runs the VAE decoder's group norms"),
@@ -214,7 +219,7 @@ def output_kernels(kernels: KernelSettings) -> dict:
         out["residual_norm"] = norm.SETTING
         out["residual_constants"] = CONSTANTS  # how its per-step constants are computed (their rounding)
         if kernels.fp8:  # its float8 blocks' row functions (the residual adds, norms and quantizations)
-            out["residual_rows"] = residual_rows.SETTING
+            out["residual_rows"] = residual_rows.TRITON_SETTING if kernels.fp8_norm else residual_rows.SETTING
     if kernels.fp8_attention:  # its kernel's block sizes set the order of a row's sums
         out["fp8_attention"] = fp8_attention.SETTING
     elif kernels.fuse_qk_norm:  # its kernel's (the same in fp8_attention's)

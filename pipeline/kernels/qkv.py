@@ -1,6 +1,6 @@
 """kernels.fuse_qkv for PixArt: diffusers' fused projections, one q|k|v matmul per self-attention and
 one k|v per cross-attention (the same math in wider matmuls, whose rounding may differ). Flux's and
-SD3's own blocks join theirs (pipeline.blocks.flux, pipeline.blocks.sd3)."""
+SD3's own blocks, and PixArt's own float8 blocks, join theirs (pipeline.blocks)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ OWN_BLOCKS = ("flux", "sd3")  # families whose fuse_qkv is their own blocks' joi
 
 
 def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
-    """-> {"fused_attention_layers": n} when on, else {} (Flux's and SD3's own blocks fuse their
-    projections themselves: pipeline.blocks)."""
-    if not kernels.fuse_qkv or adapter.family in OWN_BLOCKS:
+    """-> {"fused_attention_layers": n} when on, else {} (our own blocks fuse their projections
+    themselves: pipeline.blocks)."""
+    if not kernels.fuse_qkv or adapter.family in OWN_BLOCKS or (adapter.family == "pixart" and kernels.fuse_residual):
         return {}
     layers = fuse_qkv(adapter.transformer)
     log.info("kernels: fused q|k|v projections in %d attention layers", layers)
