@@ -48,6 +48,9 @@
 #                                                # (STARTUP_ARGS="--limit 200" etc. replace "--timed")
 #   bash benchmarks/gpu_checks.sh norm           # bench_norm.py: kernels.fuse_residual's layer norm per kernel (its Triton
 #                                                # kernel's block sizes, inductor's fixed and timed) at PixArt-Sigma's row counts
+#   bash benchmarks/gpu_checks.sh fp8-rows       # bench_fp8_rows.py: PixArt's float8 row functions (fast-fp8's residual adds,
+#                                                # norms, quantizations) per kernel, Triton's block sizes against inductor's
+#                                                # compile, at PixArt-Sigma's row counts (FP8_ROWS_ARGS="--bandwidth 3350" on an H100)
 #   bash benchmarks/gpu_checks.sh micro          # SDPA as the step calls it (views, masked cross-attention), GELU and
 #                                                # residual epilogues, matmul rates
 #   DECODE_ARGS="--variants nchw compile chunked" bash benchmarks/gpu_checks.sh decode
@@ -253,6 +256,11 @@ norm() {
   echo "== norm"; rc $norm_rc; grep -A20 "^| variant" "$BENCH_OUT/bench_norm.log" | cut -c1-250; tail_if_failed $norm_rc "$BENCH_OUT/bench_norm.log"
 }
 
+fp8_rows() {
+  timeout -s KILL ${NORM_LIMIT:-150} python3 benchmarks/bench_fp8_rows.py ${FP8_ROWS_ARGS:-} --out "$BENCH_OUT/bench_fp8_rows.json" > "$BENCH_OUT/bench_fp8_rows.log" 2>&1; local code=$?
+  echo "== fp8 rows"; rc $code; grep -A24 "^| variant" "$BENCH_OUT/bench_fp8_rows.log" | cut -c1-250; tail_if_failed $code "$BENCH_OUT/bench_fp8_rows.log"
+}
+
 decode() {
   timeout -s KILL ${DECODE_LIMIT:-60} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$BENCH_OUT/bench_decode.json" > "$BENCH_OUT/bench_decode.log" 2>&1; decode_rc=$?
   echo "== decode"; rc $decode_rc; grep -E "^\||VAE|Error" "$BENCH_OUT/bench_decode.log"
@@ -365,6 +373,7 @@ for what in "${@:-cuda-tests}"; do
     startup) startup ;;
     micro) micro ;;
     norm) norm ;;
+    fp8-rows) fp8_rows ;;
     decode) decode ;;
     decoder-warm) decoder_warm ;;
     recompiles) recompiles ;;
