@@ -18,7 +18,6 @@ two calls give the same bytes. Prints a table; saves JSON.
 # ruff: noqa: E402
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import torch
 
-from benchmarks.bench_norm import time_us
+from benchmarks.bench_norm import row_kernel_arguments, time_us
 from pipeline.blocks.pixart import compiled_rows
 from pipeline.kernels import fp8, residual_rows
 from pipeline.kernels.compile import TRACED_ONCE, compile_options
@@ -82,12 +81,7 @@ def triton(rows_per_program: int, warps: int) -> residual_rows.RowFunctions:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    p.add_argument("--triton", nargs="*", default=list(TRITON), help="R-W: rows per program, warps")
-    p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s for the memory-bound time")
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_fp8_rows.json")
-    args = p.parse_args()
+    args = row_kernel_arguments(__doc__, ROWS, TRITON, "bench_fp8_rows.json").parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_rows.py needs a CUDA GPU")
     fp8.check_fp8(torch.device("cuda"), "bench_fp8_rows.py")

@@ -85,13 +85,20 @@ def best_configs(cache: Path) -> list[dict]:
             for p in sorted(cache.rglob("*.best_config"))]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    p.add_argument("--hints", type=int, nargs="*", default=[4096, 16384, 262144])
-    p.add_argument("--triton", nargs="*", default=list(TRITON), help="R-W: rows per program, warps")
+def row_kernel_arguments(doc: str, rows: tuple[int, ...], triton: tuple[str, ...], out: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark of row kernels (this one's, bench_fp8_rows.py's): row counts, Triton's
+    rows per program and warps, the memory's rate, the JSON's path."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=list(rows))
+    p.add_argument("--triton", nargs="*", default=list(triton), help="R-W: rows per program, warps")
     p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s for the memory-bound time")
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_norm.json")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / out)
+    return p
+
+
+def main() -> None:
+    p = row_kernel_arguments(__doc__, ROWS, TRITON, "bench_norm.json")
+    p.add_argument("--hints", type=int, nargs="*", default=[4096, 16384, 262144])
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_norm.py needs a CUDA GPU")
