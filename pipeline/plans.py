@@ -43,7 +43,8 @@ class KernelSettings:
     # model: the whole transformer | blocks: its repeated blocks, once for all | norms: what
     # fuse_residual's block leaves to fuse (its per-step constants; off CUDA its layer norms).
     compile_scope: str = "model"
-    # One q|k|v matmul per attention (PixArt, SD3: diffusers' fused projections; Flux: its own blocks').
+    # One q|k|v matmul per attention (PixArt: diffusers' fused projections, or its own float8 blocks';
+    # SD3, Flux: their own blocks').
     fuse_qkv: bool = False
     # With compile: reductions over rows of up to 16,384 values read each row once.
     persistent_reductions: bool = False
@@ -54,8 +55,8 @@ class KernelSettings:
     fuse_gelu: bool = False
     # Flux: the attention's two matmuls in float8, one Triton kernel (CUDA sm89+). Images differ.
     fp8_attention: bool = False
-    # Flux with fp8: the modulated layer norms that feed float8 layers write their float8 rows (one
-    # Triton kernel: the norm, its modulation, the rowwise quantization).
+    # With fp8: the modulated layer norms that feed float8 layers write their float8 rows (one Triton
+    # kernel: the norm, its modulation, the rowwise quantization; PixArt's: with the residual adds).
     fp8_norm: bool = False
     # Flux: the queries' and keys' RMS norms, the text and image tokens joined and the rotary
     # embedding in one Triton kernel (CUDA; the CPU runs the torch ops).
