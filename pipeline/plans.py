@@ -48,12 +48,12 @@ class KernelSettings:
     fuse_qkv: bool = False
     # With compile: reductions over rows of up to 16,384 values read each row once.
     persistent_reductions: bool = False
-    # The blocks' linear layers as rowwise-scaled float8 matmuls (CUDA sm89+; Flux's blocks).
+    # The blocks' linear layers as rowwise-scaled float8 matmuls (CUDA sm89+; the own blocks of Flux, SD3, PixArt).
     fp8: bool = False
     # The feed-forward's tanh GELU in the up-projection's cuBLASLt epilogue (CUDA); with fp8, in the
     # down-projection's float8 quantization (one Triton kernel).
     fuse_gelu: bool = False
-    # Flux: the attention's two matmuls in float8, one Triton kernel (CUDA sm89+). Images differ.
+    # Flux, SD3.5: the attention's two matmuls in float8, one Triton kernel (CUDA sm89+). Images differ.
     fp8_attention: bool = False
     # With fp8: the modulated layer norms that feed float8 layers write their float8 rows (one Triton
     # kernel: the norm, its modulation, the rowwise quantization; PixArt's: with the residual adds).
