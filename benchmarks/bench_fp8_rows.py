@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from benchmarks.bench_norm import row_kernel_arguments, time_us
-from pipeline.blocks.pixart import compiled_rows
+from pipeline.blocks.pixart_fp8 import row_functions
 from pipeline.kernels import fp8, residual_rows
 from pipeline.kernels.compile import TRACED_ONCE, compile_options
 
@@ -66,18 +66,7 @@ def inductor(cache: Path) -> residual_rows.RowFunctions:
     torch._dynamo.reset()
     for key, value in TRACED_ONCE.items():  # as the job compiles (pipeline.kernels.compile)
         setattr(torch._dynamo.config, key, value)
-    options = compile_options("default", "fixed", True)
-    return residual_rows.RowFunctions(compiled_rows(residual_rows.norm_rows, True, options, (0, 1)),
-                                      compiled_rows(residual_rows.added_rows, True, options, (0, 1)),
-                                      compiled_rows(fp8.quantize_rows, True, options))
-
-
-def triton(rows_per_program: int, warps: int) -> residual_rows.RowFunctions:
-    def kernel(rows, update, gate, modulation, eps):
-        return residual_rows._triton(rows, update, gate, modulation, eps, rows_per_program, warps)
-
-    return residual_rows.RowFunctions(kernel, lambda r, u, g: kernel(r, u, g, None, 0.0),
-                                      lambda r: kernel(r, None, None, None, 0.0)[1:])
+    return row_functions({"dynamic": True, "options": compile_options("default", "fixed", True)})
 
 
 def main() -> None:
@@ -86,7 +75,8 @@ def main() -> None:
         raise SystemExit("bench_fp8_rows.py needs a CUDA GPU")
     fp8.check_fp8(torch.device("cuda"), "bench_fp8_rows.py")
     device = torch.device("cuda")
-    variants = {f"triton-{spec}": (lambda spec=spec: triton(*(int(v) for v in spec.split("-")))) for spec in args.triton}
+    variants = {f"triton-{spec}": (lambda spec=spec: residual_rows.triton_functions(*(int(v) for v in spec.split("-"))))
+                for spec in args.triton}
     variants["inductor"] = lambda: inductor(Path(tempfile.mkdtemp(prefix="bench-fp8-rows-")))
     data = {rows: inputs(rows, device) for rows in args.rows}
     result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": args.rows, "us": {},

@@ -83,12 +83,14 @@ class RowFunctions(NamedTuple):
 EAGER = RowFunctions(norm_rows, added_rows, fp8.quantize_rows)
 
 
-def triton_functions() -> RowFunctions:
-    """The three functions as the Triton kernel (CUDA rows, their last dimension contiguous)."""
-    return RowFunctions(
-        lambda rows, update, gate, modulation, eps: _triton(rows, update, gate, modulation, eps),
-        lambda rows, update, gate: _triton(rows, update, gate, None, 0.0),
-        lambda rows: _triton(rows, None, None, None, 0.0)[1:])
+def triton_functions(rows_per_program: int = ROWS_PER_PROGRAM, warps: int = WARPS) -> RowFunctions:
+    """The three functions as the Triton kernel (CUDA rows, their last dimension contiguous); its block
+    sizes the fixed ones unless a benchmark gives others."""
+    def kernel(rows, update, gate, modulation, eps):
+        return _triton(rows, update, gate, modulation, eps, rows_per_program, warps)
+
+    return RowFunctions(kernel, lambda rows, update, gate: kernel(rows, update, gate, None, 0.0),
+                        lambda rows: kernel(rows, None, None, None, 0.0)[1:])
 
 
 @functools.cache
