@@ -39,15 +39,10 @@ SHAPES = ((1, 4608), (4, 4608), (1, 1536))
 # from the projections: (batch, text tokens, image tokens); text 0: a single block's joined tokens
 PROJECTIONS = ((1, 0, 4608), (1, 512, 4096), (4, 0, 4608))
 HEADS, DIM = 24, 128  # Flux's; --heads, --dim for others (SD3: 64 per head)
-# (block_m, block_n, warps, stages, loads by TMA, the key loop warp-specialized, odd columns' exponentials
-# by the cubic)
-CONFIGS = ((64, 128, 4, 3, False, False, False), (64, 64, 4, 3, True, False, False),
-           (64, 128, 4, 3, True, False, False), (64, 128, 4, 4, True, False, False),
-           (128, 64, 4, 3, True, False, False), (128, 128, 8, 3, True, False, False),
-           (64, 128, 4, 3, True, False, True), (128, 64, 4, 3, True, False, True), (128, 128, 8, 3, True, False, True),
-           (64, 128, 4, 3, True, True, False), (128, 64, 4, 3, True, True, False), (128, 128, 4, 3, True, True, False),
-           (128, 128, 8, 3, True, True, False), (128, 128, 8, 2, True, True, False), (128, 128, 8, 3, True, True, True),
-           (64, 128, 4, 3, True, True, True))
+# (block_m, block_n, warps, stages, loads by TMA)
+CONFIGS = ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 64, 4, 3, True), (64, 128, 4, 3, True),
+           (64, 128, 4, 2, True), (64, 128, 4, 4, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True),
+           (128, 128, 4, 3, True), (128, 128, 8, 3, True))
 
 
 def sdpa(q, k, v):
@@ -160,10 +155,10 @@ def main() -> None:
         scale = 1 / math.sqrt(dim)
         candidates = {"sdpa cudnn bf16": lambda: under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v),
                       "sdpa flash bf16": lambda: under(SDPBackend.FLASH_ATTENTION, sdpa)(q, k, v)}
-        for bm, bn, w, st, tma, ws, poly in CONFIGS:
-            name = f"fp8 m{bm} n{bn} w{w} s{st}{' tma' if tma else ''}{' ws' if ws else ''}{' cubic' if poly else ''}"
-            candidates[name] = (lambda bm=bm, bn=bn, w=w, st=st, tma=tma, ws=ws, poly=poly: fa.attention(
-                q8, k8, v8t, scales, v_scale, scale, bm, bn, w, st, tma, warp_specialize=ws, poly_exp=poly))
+        for bm, bn, w, st, tma in CONFIGS:
+            candidates[f"fp8 m{bm} n{bn} w{w} s{st}{' tma' if tma else ''}"] = (
+                lambda bm=bm, bn=bn, w=w, st=st, tma=tma: fa.attention(q8, k8, v8t, scales, v_scale, scale,
+                                                                       bm, bn, w, st, tma))
         compiled_bf16 = torch.compile(under(SDPBackend.CUDNN_ATTENTION, sdpa), dynamic=False)
         compiled_fp8 = torch.compile(lambda q, k, v: fa.fp8_sdpa(q, k, v, scales), dynamic=False)
         candidates["compiled cudnn bf16"] = lambda: compiled_bf16(q, k, v)

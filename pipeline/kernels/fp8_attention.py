@@ -50,19 +50,13 @@ FP8_MAX = fp8.FP8_MAX
 V_BLOCK = attention_inputs.V_BLOCK  # tokens per value scale
 P_SHIFT = 8  # probabilities (at most 1) times 2^8 before the float8 cast: small ones keep their bits
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 128, 4, 3  # benchmarks/bench_fp8_attention.py times others
-# the key loop warp-specialized by Triton (loads, matmuls and the softmax in their own warps), and every
-# other column's exponential by a cubic on the FMA units instead of the special-function unit (whose
-# rate bounds a float8 flash attention); both off, a benchmark's to try
-WARP_SPECIALIZE, POLY_EXP = False, False
-# 2^f on [-1/2, 1/2] (relative error below 1e-4, far under float8's rounding of the probabilities)
-EXP2_CUBIC = (0.9999280571937561, 0.693260908126831, 0.24261118471622467, 0.055171966552734375)
 HEAD_DIMS = (32, 64, 128, 256)  # float8 tensor cores multiply at least 32 values; a block's width is a power of 2
 # float8 outputs: scaled by the values' largest magnitude times this; the probabilities' float8 rounding
 # (at most 2^-4 up) cannot take a row past it
 OUT_HEADROOM = 1.125
 # TMA or not: the same sums; with the inputs' kernels' own
 SETTING = (f"triton-fa-m{BLOCK_M}-n{BLOCK_N}-w{WARPS}-s{STAGES}-p{P_SHIFT}-rows{OUT_HEADROOM}"
-           f"{'-ws' if WARP_SPECIALIZE else ''}{'-cubic' if POLY_EXP else ''}+{attention_inputs.SETTING}")
+           f"+{attention_inputs.SETTING}")
 
 
 def qk_scales(norm_weights: torch.Tensor) -> torch.Tensor:
@@ -154,15 +148,13 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    c0, c1, c2, c3 = (tl.constexpr(c) for c in EXP2_CUBIC)
-
     @triton.jit
     def fp8_attention_kernel(Q, K, V, QK_SCALES, VS, OT, OI, XST, XSI, Q_DESC, K_DESC, V_DESC,
                              q_b, q_s, q_h, k_b, k_s, k_h, v_b, v_h, v_d, vs_b, vs_h, ot_b, ot_s, oi_b, oi_s,
                              H, S, S_TXT, BLOCKS, scale_log2,
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,
                              SHIFT: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, OUT8: tl.constexpr,
-                             HEADROOM: tl.constexpr, WS: tl.constexpr, POLY: tl.constexpr):
+                             HEADROOM: tl.constexpr):
         """Rows below S_TXT go to OT, the others to OI (row r to its row r - S_TXT), each [B, rows, H * D];
         OUT8: in float8, divided by the batch row's output scale, which the programs of head 0 write to
         XST and XSI per row."""
@@ -189,7 +181,7 @@ def _kernel():
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)  # in units of the current block's value scale
-        for start_n in tl.range(0, S, BLOCK_N, warp_specialize=WS):
+        for start_n in tl.range(0, S, BLOCK_N):
             col_ok = start_n + cols < S
             block_scale = tl.load(vs_ptr + start_n // V_BLOCK)
             if TMA:
@@ -208,21 +200,7 @@ def _kernel():
             # multiply-add per score below
             m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
             alpha = tl.math.exp2(m_i - m_new)
-            x = qk * c - (m_new - SHIFT)[:, None]
-            if POLY:
-                # even columns by the special-function unit, odd ones on the FMA units: j, x rounded to the
-                # nearest integer (adding and taking away 1.5 * 2^23), 2^(x - j) by the cubic, j added to
-                # its exponent's bits; x below -125 as -125 (2^-125: nothing beside a row's 2^SHIFT)
-                even, odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))
-                odd = tl.maximum(odd, -125.0)
-                rounded = odd + 12582912.0
-                f = odd - (rounded - 12582912.0)
-                cubic = ((c3 * f + c2) * f + c1) * f + c0
-                odd = (cubic.to(tl.int32, bitcast=True) + (rounded.to(tl.int32, bitcast=True) << 23)).to(
-                    tl.float32, bitcast=True)
-                p = tl.reshape(tl.join(tl.math.exp2(even), odd), [BLOCK_M, BLOCK_N])
-            else:
-                p = tl.math.exp2(x)
+            p = tl.math.exp2(qk * c - (m_new - SHIFT)[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = tl.dot(p.to(V.dtype.element_ty), v, acc * (alpha * (v_scale / block_scale))[:, None])
             m_i = m_new
@@ -256,8 +234,7 @@ def _kernel():
 
 
 def attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-              warps: int = WARPS, stages: int = STAGES, tma: bool = True, text_tokens: int | None = None,
-              warp_specialize: bool = WARP_SPECIALIZE, poly_exp: bool = POLY_EXP):
+              warps: int = WARPS, stages: int = STAGES, tma: bool = True, text_tokens: int | None = None):
     """The Triton kernel (CUDA, or the Triton interpreter on the CPU) -> [B, S, H, D] bfloat16, or with
     `text_tokens` `fp8_attention_rows`' four tensors; block sizes, warps and stages are its fixed
     choices (a benchmark's to vary). With `tma`, blocks of queries, keys and values are loaded by the
@@ -296,7 +273,7 @@ def attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float, block_m: in
                         heads, tokens, text_tokens, blocks, softmax_scale * math.log2(math.e),
                         D=dim, BLOCK_M=block_m, BLOCK_N=block_n, V_BLOCK=V_BLOCK, SHIFT=P_SHIFT,
                         EVEN=tokens % block_n == 0, TMA=tma, OUT8=image[0].dtype == FP8, HEADROOM=OUT_HEADROOM,
-                        WS=warp_specialize, POLY=poly_exp, num_warps=warps, num_stages=stages)
+                        num_warps=warps, num_stages=stages)
     if image[0].dtype != FP8:
         return image[0].view(batch, tokens, heads, dim)
     return (*text, *image)
