@@ -208,6 +208,9 @@ def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close(
     assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(scale, want_scale)
     assert output_kernels(PLANS["fast-fp8"].resolved())["residual_rows"] == residual_rows.TRITON_SETTING
     assert output_kernels(PLANS["fast-fp8"].resolved(fp8_norm=False))["residual_rows"] == residual_rows.SETTING
+    # a Triton program's rows: a power of two that fits its tile (PixArt's 1,152 channels: 4; 2,304: 2 of 3)
+    assert [residual_rows.program_rows(c) for c in (1152, 2304, 8192, 16384)] == [4, 2, 1, 1]
+    assert residual_rows.program_rows(1152, 8) == 4 and residual_rows.program_rows(1152, 3) == 2
 
 
 @pytest.mark.slow

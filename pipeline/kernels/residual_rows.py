@@ -169,6 +169,14 @@ def _kernel():
     return residual_rows_kernel
 
 
+def program_rows(n_cols: int, wanted: int = ROWS_PER_PROGRAM) -> int:
+    """The rows one program reads for rows of n_cols values: `wanted`, fewer where their blocks would pass
+    TILE values, rounded down to a power of two (a Triton block's length is one)."""
+    head, tail = row_blocks(n_cols)
+    fit = max(1, min(wanted, TILE // (head + tail)))
+    return 1 << (fit.bit_length() - 1)
+
+
 def _triton(rows: torch.Tensor, update: torch.Tensor | None, gate: torch.Tensor | None,
             modulation: torch.Tensor | None, eps: float, rows_per_program: int = ROWS_PER_PROGRAM,
             warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,7 +190,7 @@ def _triton(rows: torch.Tensor, update: torch.Tensor | None, gate: torch.Tensor 
     stream = rows if update is None else torch.empty_like(rows)
     if n_rows and n_cols:
         head, tail = row_blocks(n_cols)
-        per_program = max(1, min(rows_per_program, TILE // (head + tail)))
+        per_program = program_rows(n_cols, rows_per_program)
         with torch.cuda.device(rows.device):
             _kernel()[(-(-n_rows // per_program),)](
                 rows, rows if update is None else update, rows if gate is None else gate,
