@@ -35,7 +35,7 @@ from pipeline.kernels.compile import TRACED_ONCE, compile_options
 
 CHANNELS = 1152
 ROWS = (2048, 32768, 65536, 131072)  # 512 px b1, 512 px b16, 1024 px b8, 1024 px b16 (CFG rows)
-TRITON = ("4-4", "2-4", "1-4", "4-8", "8-8")  # R-W
+TRITON = ("4-4", "2-4", "1-4", "4-8")  # R-W (rows a program, warps)
 # function -> (its name in residual_rows.RowFunctions, the arguments it takes, bytes read and written per value)
 FUNCTIONS = {"norm": ("norm", ("rows", "update", "gate", "modulation"), 2 + 2 + 2 + 1),
              "norm-ungated": ("norm", ("rows", "update", None, "modulation"), 2 + 2 + 2 + 1),
