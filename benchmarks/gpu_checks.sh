@@ -51,6 +51,9 @@
 #   bash benchmarks/gpu_checks.sh fp8-rows       # bench_fp8_rows.py: PixArt's float8 row functions (fast-fp8's residual adds,
 #                                                # norms, quantizations) per kernel, Triton's block sizes against inductor's
 #                                                # compile, at PixArt-Sigma's row counts (FP8_ROWS_ARGS="--bandwidth 3350" on an H100)
+#   bash benchmarks/gpu_checks.sh fp8-1000       # PixArt-Sigma's 1,000-row bench without the baseline, precision=fp8 (fast-fp8)
+#                                                # then bf16 (fast), one per-user cache: generate phase and wall images/s,
+#                                                # float8 images against bf16's
 #   bash benchmarks/gpu_checks.sh micro          # SDPA as the step calls it (views, masked cross-attention), GELU and
 #                                                # residual epilogues, matmul rates
 #   DECODE_ARGS="--variants nchw compile chunked" bash benchmarks/gpu_checks.sh decode
@@ -315,6 +318,16 @@ one_job() {
   python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
 }
 
+fp8_1000() {  # the 1,000-row bench's images/s in float8 against the fast plan's, and the images' PSNR
+  local cache precision
+  cache=$(mktemp -d /tmp/kernels-1000.XXXX)
+  for precision in fp8 bf16; do
+    one_job pixart_1000_$precision $cache +job=bench bench.baseline=false precision=$precision
+    stats_summary $precision "$BENCH_OUT/pixart_1000_${precision}_stats.json"
+  done
+  python3 -m pipeline.compare /tmp/bench-pixart_1000_bf16 /tmp/bench-pixart_1000_fp8 --json "$BENCH_OUT/pixart_1000_fp8_vs_bf16.json" 2>&1 | tail -1 | cut -c1-200
+}
+
 flux_aspects() {
   local flux=(+job=bench model=flux_dev manifest.path=jobs/manifests/flux_aspects.parquet)
   rm -rf /tmp/flux-aspects-cache-*
@@ -380,6 +393,7 @@ for what in "${@:-cuda-tests}"; do
     writer-formats) writer_formats ;;
     cache-200) cache_200 ;;
     flux-aspects) flux_aspects ;;
+    fp8-1000) fp8_1000 ;;
     sweep) sweep ;;
     profile) profile ;;
     shards) shards ;;
