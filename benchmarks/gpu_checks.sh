@@ -66,9 +66,9 @@
 #   bash benchmarks/gpu_checks.sh writer-formats # +job=bench without the baseline on the 200-row manifest, with
 #                                                # output.format=jpeg, then output.layout=webdataset: GPU busy
 #                                                # (gpu_busy.fraction) and image bytes per format, each way
-#   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it twice on
-#                                                # one fresh per-user kernel cache (BCG_CACHE_DIR): cold (empty), then
-#                                                # warm (the first run's cache), as a job's first and later processes
+#   bash benchmarks/gpu_checks.sh cache-200      # the 200-row bench's baseline saved once, then our job against it on an
+#                                                # empty per-user kernel cache (BCG_CACHE_DIR: cold) and on one a job on
+#                                                # bench_tiny's 60 other rows wrote (warm); cold against warm images
 #   bash benchmarks/gpu_checks.sh flux-aspects   # FLUX.1-dev float8 on the 24 rows of jobs/manifests/flux_aspects.parquet
 #                                                # (four aspect ratios), as +job=bench runs it: diffusers' FluxPipeline
 #                                                # saved once, then our job warm (a per-user cache written by a job on
@@ -299,10 +299,13 @@ cache_200() {
   rm -rf /tmp/baseline-200
   timeout -s KILL ${BENCH_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline_only=true manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/baseline-200 > "$BENCH_OUT/baseline_200.log" 2>&1; local code=$?
   echo "== baseline, 200 rows"; rc $code; grep -E "diffusers baseline" "$BENCH_OUT/baseline_200.log" | cut -c1-300; tail_if_failed $code "$BENCH_OUT/baseline_200.log"
-  local cache ours=(+job=bench bench.baseline_from=/tmp/baseline-200 manifest.path=jobs/manifests/bench_small.parquet)
-  cache=$(mktemp -d /tmp/kernels-200.XXXX)
-  one_job bench_200_cold $cache "${ours[@]}" "${kernels[@]}"
-  one_job bench_200_warm $cache "${ours[@]}" "${kernels[@]}"
+  local cold warm ours=(+job=bench bench.baseline_from=/tmp/baseline-200 manifest.path=jobs/manifests/bench_small.parquet)
+  cold=$(mktemp -d /tmp/kernels-200-cold.XXXX); warm=$(mktemp -d /tmp/kernels-200-warm.XXXX)
+  one_job bench_200_cold $cold "${ours[@]}" "${kernels[@]}"
+  # warm: a cache written by a job on other rows and sizes (bench_tiny's 60), as a later night's job finds it
+  one_job bench_200_fill $warm +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet "${kernels[@]}"
+  one_job bench_200_warm $warm "${ours[@]}" "${kernels[@]}"
+  python3 -m pipeline.compare /tmp/bench-bench_200_cold /tmp/bench-bench_200_warm 2>&1 | tail -1 | cut -c1-200
 }
 
 
