@@ -81,7 +81,7 @@ def own_blocks(settings: KernelSettings, adapter) -> dict:
         norm = pixart.fixed_norm.SETTING if cuda else "compiled" if compiled else "eager"
         if settings.fp8:
             rows = "Triton kernels" if triton_rows else "compiled" if compiled else "PyTorch's ops"
-            if rows == "PyTorch's ops":
+            if not (triton_rows or compiled):
                 log.warning(UNFUSED_FP8)
             log.info("kernels: PixArt's own float8 blocks (%d%s), their residual adds and layer norms in the kernels "
                      "that quantize the next layers' rows (%s)", len(adapter.transformer.blocks),

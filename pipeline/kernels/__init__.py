@@ -254,13 +254,14 @@ def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] 
     serves its calls (one eager CFG forward, 1 row, at `probe_size`); then compile (for `shapes`
     shapes) and the decoder -> stats.json's `kernels`.
     `device_checks` False: what needs a GPU runs its CPU reference (a benchmark's smoke run)."""
-    from pipeline.blocks import own_blocks
+    from pipeline.blocks import own_blocks, owns_blocks
 
     check_kernels(kernels, adapter.family, adapter.device if device_checks else None)
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
     report.update(text.apply(kernels, adapter))
     report.update(attention.apply(kernels, adapter))
-    report.update(qkv.apply(kernels, adapter))
+    if not owns_blocks(kernels, adapter.family):  # our own blocks join their projections themselves
+        report.update(qkv.apply(kernels, adapter))
     report.update(own_blocks(kernels, adapter))
     if probe_size is not None:
         report.update(attention.probe(kernels, adapter, probe_size))

@@ -17,13 +17,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OWN_BLOCKS = ("flux", "sd3")  # families whose fuse_qkv is their own blocks' joined layers
-
 
 def apply(kernels: KernelSettings, adapter: Adapter) -> dict:
-    """-> {"fused_attention_layers": n} when on, else {} (our own blocks fuse their projections
-    themselves: pipeline.blocks)."""
-    if not kernels.fuse_qkv or adapter.family in OWN_BLOCKS or (adapter.family == "pixart" and kernels.fuse_residual):
+    """diffusers' transformer's fused projections -> {"fused_attention_layers": n} when on, else {}. For a
+    model that runs on diffusers' blocks: our own blocks join their projections themselves (pipeline.blocks)."""
+    if not kernels.fuse_qkv:
         return {}
     layers = fuse_qkv(adapter.transformer)
     log.info("kernels: fused q|k|v projections in %d attention layers", layers)
