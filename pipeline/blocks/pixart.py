@@ -276,7 +276,8 @@ class PixArtTransformer(OwnTransformer):
     computed once before the first (`constants`), each layer norm by `norm` (on CUDA the fixed Triton
     kernel; either may be compiled: compile_scope=norms)."""
 
-    def __init__(self, source: torch.nn.Module, gelu_epilogue: bool, norm: NormFn, constants: ConstantsFn):
+    def __init__(self, source: torch.nn.Module, gelu_epilogue: bool, norm: NormFn, constants: ConstantsFn,
+                 make_block: Callable[[torch.nn.Module, int, bool], torch.nn.Module] | None = None):
         super().__init__(source)
         blocks = list(getattr(source, "transformer_blocks", []))
         out_norm = getattr(source, "norm_out", None)
@@ -289,7 +290,8 @@ class PixArtTransformer(OwnTransformer):
         self.patch_embed.proj.to(memory_format=torch.channels_last)
         self.adaln_single, self.caption_projection = source.adaln_single, source.caption_projection
         self.register_stack(blocks)
-        self.blocks = torch.nn.ModuleList(self.make_block(b, i, gelu_epilogue) for i, b in enumerate(blocks))
+        make_block = make_block or ResidualBlock  # (diffusers' block, its index, gelu_epilogue) -> our block
+        self.blocks = torch.nn.ModuleList(make_block(b, i, gelu_epilogue) for i, b in enumerate(blocks))
         self.norm, self.constants = norm, constants
         self.out_eps, self.scale_shift_table, self.proj_out = out_norm.eps, source.scale_shift_table, source.proj_out
         self.out_channels, self.additional_conditions = source.out_channels, source.use_additional_conditions
@@ -299,9 +301,6 @@ class PixArtTransformer(OwnTransformer):
         stack = stack_blocks(blocks)
         for f in fields(BlockStack):
             self.register_buffer(f.name, getattr(stack, f.name))
-
-    def make_block(self, block: torch.nn.Module, index: int, gelu_epilogue: bool) -> torch.nn.Module:
-        return ResidualBlock(block, index, gelu_epilogue)
 
     def stack(self) -> BlockStack:
         return BlockStack(*(getattr(self, f.name) for f in fields(BlockStack)))

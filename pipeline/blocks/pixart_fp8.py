@@ -147,16 +147,13 @@ class Fp8PixArtTransformer(PixArtTransformer):
 
     def __init__(self, source: torch.nn.Module, fuse_gelu: bool, norm: Callable, rows: RowFunctions,
                  fuse_qkv: bool = False):
-        self.fuse_qkv = fuse_qkv  # read by make_block, which the base class calls
-        super().__init__(source, fuse_gelu, norm, modulations)
+        super().__init__(source, fuse_gelu, norm, modulations,
+                         make_block=lambda block, index, gelu: Fp8ResidualBlock(block, index, gelu, fuse_qkv))
         self.rows = rows
 
     def register_stack(self, blocks: list[torch.nn.Module]) -> None:
         """Only the modulation tables: no bias is carried, no weight gated per step."""
         self.register_buffer("tables", torch.stack([b.scale_shift_table.detach() for b in blocks]))
-
-    def make_block(self, block: torch.nn.Module, index: int, fuse_gelu: bool) -> torch.nn.Module:
-        return Fp8ResidualBlock(block, index, fuse_gelu, self.fuse_qkv)
 
     def run_blocks(self, h: torch.Tensor, step: torch.Tensor, context: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
