@@ -160,20 +160,22 @@ flux() {
 }
 
 flux_job() {  # the product's command on FLUX.1-dev: its default plans, bf16 and precision=fp8, against diffusers
-  # FLUX_RUNS: "precision-batch" words (default: bf16-1 fp8-1 fp8-4); each batch's baseline is saved once, under
-  # /tmp/flux-base-b<batch> (FLUX_KEEP=1: a baseline already there is reused, with the compile cache)
-  local manifest=jobs/manifests/flux_1024.parquet cache=/tmp/flux-cache run precision batch code common
+  # FLUX_RUNS: "precision-batch[-kernel]" words (default: bf16-1 fp8-1 fp8-4; kernel: kernels.fp8_attention_kernel,
+  # e.g. fp8-1-triton); each batch's baseline is saved once, under /tmp/flux-base-b<batch> (FLUX_KEEP=1: a
+  # baseline already there is reused, with the compile cache)
+  local manifest=jobs/manifests/flux_1024.parquet cache=/tmp/flux-cache run precision batch fp8k code common
   common=(+job=bench model=flux_dev manifest.path=$manifest kernels.compile_cache_dir=$cache)
   [ -n "${FLUX_KEEP:-}" ] || rm -rf /tmp/flux-base-* $cache
   for run in ${FLUX_RUNS:-bf16-1 fp8-1 fp8-4}; do
-    precision=${run%-*}; batch=${run#*-}
+    precision=${run%%-*}; batch=${run#*-}; fp8k=
+    [[ $batch == *-* ]] && { fp8k=${batch#*-}; batch=${batch%%-*}; }
     if [ ! -f /tmp/flux-base-b$batch/bench.json ]; then  # diffusers' pipeline alone, its timing and images saved
       timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=bf16 bench.baseline_only=true bench.baseline_batch=$batch output.dir=/tmp/flux-base-b$batch > "$BENCH_OUT/flux_base_b$batch.log" 2>&1; code=$?
       cp /tmp/flux-base-b$batch/bench.json "$BENCH_OUT/flux_base_b${batch}.json" 2>/dev/null
       echo "== flux baseline, batch $batch"; rc $code; tail_if_failed $code "$BENCH_OUT/flux_base_b$batch.log"
     fi
     rm -rf /tmp/flux-ours-$run
-    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/flux-base-b$batch output.dir=/tmp/flux-ours-$run "${kernels[@]}" > "$BENCH_OUT/flux_$run.log" 2>&1; code=$?
+    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/flux-base-b$batch output.dir=/tmp/flux-ours-$run ${fp8k:+kernels.fp8_attention_kernel=$fp8k} "${kernels[@]}" > "$BENCH_OUT/flux_$run.log" 2>&1; code=$?
     cp /tmp/flux-ours-$run/bench.json "$BENCH_OUT/flux_${run}_bench.json" 2>/dev/null
     cp /tmp/flux-ours-$run/stats.json "$BENCH_OUT/flux_${run}_stats.json" 2>/dev/null
     bench_summary "flux job, 8 rows at 1024 px, precision=$precision, batch $batch ${KERNELS:-}" $code "$BENCH_OUT/flux_$run.log"

@@ -25,7 +25,7 @@ from pipeline.exit_codes import text_table
 from pipeline.manifest import check_manifest_file
 from pipeline.paths import absolute, asset, check_writable_dir
 from pipeline.model_info import sampler_defaults
-from pipeline.plans import AUTO, PLANS, KernelSettings
+from pipeline.plans import AUTO, FP8_ATTENTION_KERNELS, PLANS, KernelSettings
 from pipeline.store import fetch_manifest, is_url, local_path
 
 
@@ -371,6 +371,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
         ("kernels.compile_scope", cfg.kernels.compile_scope, COMPILE_SCOPES),
         ("kernels.compile_tuning", cfg.kernels.compile_tuning, COMPILE_TUNINGS),
+        ("kernels.fp8_attention_kernel", cfg.kernels.fp8_attention_kernel, FP8_ATTENTION_KERNELS),
     ):
         if value is not None and value not in accepted:
             raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")

@@ -13,7 +13,7 @@ import signal
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -31,8 +31,8 @@ from pipeline.denoise import LOOP_REFUSAL, Denoiser, sampler_label
 from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, Lookahead, prepare_batch, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
-from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, output_kernels,
-                              process_settings, start_compile_workers, with_attention)
+from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, fp8_attention_choice,
+                              output_kernels, process_settings, start_compile_workers, with_attention)
 from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
@@ -271,6 +271,7 @@ def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> Reso
     family = model_family(cfg.model)
     overrides = {key: getattr(cfg.kernels, key) for key in SETTINGS}
     plan = resolve_plan(cfg.kernels.plan, overrides, family, device.type, precision.float8)
+    plan = replace(plan, settings=fp8_attention_choice(plan.settings, device))
     check_kernels(plan.settings, family, device)
     if plan.settings.hoist_modulation and cfg.bcg.scope == "loop":
         raise UserError(LOOP_REFUSAL)

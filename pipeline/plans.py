@@ -21,6 +21,7 @@ from pipeline.errors import UserError
 
 FAMILIES = ("pixart", "sd3", "dit", "flux")
 AUTO = "auto"
+FP8_ATTENTION_KERNELS = (AUTO, "triton", "cudnn")  # kernels.fp8_attention_kernel
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class KernelSettings:
     fuse_gelu: bool = False
     # Flux, SD3.5: the attention's two matmuls in float8, one Triton kernel (CUDA sm89+). Images differ.
     fp8_attention: bool = False
+    # Float8 attention's kernel where its output goes to float8 layers: cudnn (cuDNN's float8 SDPA: sm90+,
+    # cuDNN 9.13+, the `cudnn` extra) | triton | auto: cuDNN's where it runs, else Triton's (said once).
+    # Their images differ.
+    fp8_attention_kernel: str = "auto"
     # With fp8: the modulated layer norms that feed float8 layers write their float8 rows (one Triton
     # kernel: the norm, its modulation, the rowwise quantization; PixArt's: with the residual adds).
     fp8_norm: bool = False

@@ -5,6 +5,7 @@ rows handed to the float8 layers as they are; compiled, one graph per block kind
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -150,6 +151,46 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     assert calls == {FP8_ATTENTION_OP: len(t.double_blocks) + len(t.single_blocks)}
     joined = owned(flux, fp8=True, fp8_attention=True).transformer.single_blocks[0]
     assert not joined.split and not joined.attn.rows_out and not joined.gelu_rows  # its output is joined to the MLP's
+
+
+def test_cudnn_float8_attention_takes_one_value_scale_a_batch_row_and_is_chosen_where_it_runs(monkeypatch):
+    """kernels.fp8_attention_kernel=cudnn (the CPU runs its float32 reference): the values joined (text
+    first) and quantized by one scale per batch row, so a row's bytes do not depend on its batch; the
+    float8 blocks' step stays as close to fp32 as the Triton kernel's, though not the same; `auto` is
+    cuDNN's where it runs and the Triton kernel elsewhere (said, and why), `cudnn` there is refused."""
+    from pipeline.kernels import cudnn_attention, fp8_attention_choice
+
+    gen = torch.Generator().manual_seed(0)
+    image, text = torch.randn(2, 40, 64, generator=gen), torch.randn(2, 8, 64, generator=gen) * 3
+    image[1] *= 10
+    v8, scale = cudnn_attention.quantize_values(image, text, heads=2)
+    assert v8.shape == (2, 48, 2, 32) and v8.dtype == FP8
+    assert torch.allclose(scale, torch.cat([text, image], 1).abs().amax(dim=(1, 2)) / 448)
+    alone, _ = cudnn_attention.quantize_values(image[:1], text[:1], heads=2)
+    assert torch.equal(alone.view(torch.uint8), v8[:1].view(torch.uint8))
+    dequantized = v8.flatten(2).float() * scale[:, None, None]
+    assert rel_err(dequantized[:, :8], text) < 0.04 and rel_err(dequantized[:, 8:], image) < 0.04
+
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+    x = random_inputs(flux)
+    with torch.no_grad():
+        reference = flux.guided_eps(x)
+        steps = {kernel: owned(flux, fp8=True, fuse_qkv=True, split_out_proj=True, fp8_attention=True,
+                               fp8_attention_kernel=kernel).guided_eps(x) for kernel in ("triton", "cudnn")}
+    assert all(rel_err(step, reference) < FP8_STEP_REL_ERR for step in steps.values())
+    assert not torch.equal(steps["cudnn"], steps["triton"])
+    settings = KernelSettings(fp8=True, fp8_attention=True)
+    assert fp8_attention_choice(settings, torch.device("cpu")).fp8_attention_kernel == "triton"
+    monkeypatch.setattr(cudnn_attention, "unavailable", lambda device: None)
+    assert fp8_attention_choice(settings, torch.device("cpu")).fp8_attention_kernel == "cudnn"
+    assert fp8_attention_choice(KernelSettings(fp8_attention_kernel="cudnn"), None).fp8_attention_kernel == "cudnn"
+    monkeypatch.setattr(cudnn_attention, "unavailable", lambda device: "the GPU is too old")
+    with pytest.raises(UserError, match=r"kernels.fp8_attention_kernel='fast' is not accepted; choose one of "
+                                        r"\['auto', 'triton', 'cudnn'\]"):
+        check_kernels(KernelSettings(fp8_attention_kernel="fast"))
+    with pytest.raises(UserError, match=r"kernels.fp8_attention_kernel=cudnn: cuDNN's float8 attention cannot run "
+                                        r"here: the GPU is too old; set kernels.fp8_attention_kernel=triton"):
+        fp8_attention_choice(replace(settings, fp8_attention_kernel="cudnn"), torch.device("cuda"))
 
 
 def test_float8_settings_are_flux_s_named_in_the_digest_and_refused_without_float8_cores():

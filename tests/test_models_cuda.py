@@ -32,6 +32,16 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA"
 needs_fp8 = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9),
                                reason="float8 matmuls need sm89+")
 
+
+def cudnn_fp8_unavailable() -> str | None:
+    from pipeline.kernels import cudnn_attention
+
+    return cudnn_attention.unavailable(torch.device("cuda")) if CUDA else "needs CUDA"
+
+
+needs_cudnn_fp8 = pytest.mark.skipif(cudnn_fp8_unavailable() is not None,
+                                     reason=f"cuDNN's float8 attention: {cudnn_fp8_unavailable()}")
+
 LADDER = [1, 2, 4]
 RESOLUTIONS = [(64, 64), (128, 64)]
 # float8 e4m3 for both operands, one scale per row: as the CPU test (tests/test_kernels.py).
@@ -313,6 +323,46 @@ def test_fp8_attention_kernel_computes_what_its_reference_does(batch, tokens):
         assert rel_err(dequantized, out.flatten(2)) < 0.04
 
 
+@needs_cudnn_fp8
+@pytest.mark.parametrize("batch,tokens,text", [(1, 4608, 512), (3, 1000, 77), (2, 300, 0)])
+def test_cudnn_fp8_attention_computes_what_its_reference_does(batch, tokens, text):
+    """cuDNN's float8 attention against the same quantized inputs through float32 attention
+    (cudnn_attention.rows_reference): the reference's shapes and scales, the rows within the
+    probabilities' and the output's float8 rounding, close to bf16 SDPA on the unquantized inputs; a
+    batch row's bytes the same alone as in its batch; a CUDA graph replays the call's bytes."""
+    from pipeline.kernels import cudnn_attention as ca
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, tokens, 24, 128, device="cuda", generator=gen) for _ in range(3))
+    q, k = (torch.nn.functional.rms_norm(t, (128,)) for t in (q, k))
+    v = v * torch.arange(1, batch + 1, device="cuda")[:, None, None, None]  # each batch row its own scale
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    scales = torch.full((2,), 128 ** 0.5 / 448, device="cuda")
+    q8, k8 = ((t.float() / s).to(FP8) for t, s in ((q, scales[0]), (k, scales[1])))
+    v8, v_scale = ca.quantize_values(v.flatten(2), None, 24)
+    rows = ca.attention_rows(q8, k8, v8, scales, v_scale, 128 ** -0.5, text)
+    want = ca.rows_reference(q8, k8, v8, scales, v_scale, 128 ** -0.5, text)
+    assert [(t.shape, t.dtype) for t in rows] == [(t.shape, t.dtype) for t in want]
+    assert torch.equal(rows[1], want[1]) and torch.equal(rows[3], want[3])
+
+    def dequantized(parts):
+        return torch.cat([(x8.flatten(0, 1).float() * s).view(batch, -1, 24 * 128)
+                          for x8, s in (parts[:2], parts[2:])], dim=1)
+
+    assert rel_err(dequantized(rows), dequantized(want)) < 0.05
+    exact = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert rel_err(dequantized(rows), exact.flatten(2)) < 0.08
+    if batch > 1:
+        last = ca.attention_rows(q8[-1:], k8[-1:], v8[-1:], scales, v_scale[-1:], 128 ** -0.5, text)
+        assert torch.equal(last[2].contiguous().view(torch.uint8), rows[2][-1:].contiguous().view(torch.uint8))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ca.attention_rows(q8, k8, v8, scales, v_scale, 128 ** -0.5, text)
+    graph.replay()
+    assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+               for a, b in zip(captured, rows))
+
+
 @needs_fp8
 @pytest.mark.parametrize("batch,text,image,fused", [(1, 0, 4608, False), (1, 512, 4096, False), (2, 77, 1000, True)])
 def test_fp8_attention_inputs_kernels_compute_what_the_torch_ops_do(batch, text, image, fused):
@@ -395,14 +445,17 @@ def test_fused_qk_norm_flux_compiled_blocks_replay_equals_the_compiled_call():
 
 
 @needs_fp8
-def test_fp8_attention_flux_compiled_blocks_replay_equals_the_compiled_call():
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("cudnn", marks=needs_cudnn_fp8)])
+def test_fp8_attention_flux_compiled_blocks_replay_equals_the_compiled_call(kernel):
     """kernels.fp8_attention with the float8 blocks under compiled blocks: every attention module runs
-    the Triton kernel, the step stays close to bf16, and our graph replays it bit for bit."""
+    float8 attention (the Triton kernel, or cuDNN's), the step stays close to bf16, and our graph replays
+    it bit for bit."""
     kernels = KernelSettings(fp8=True, fp8_attention=True, split_out_proj=True, fuse_gelu=True, compile=True,
-                            compile_scope="blocks")
+                            compile_scope="blocks", fp8_attention_kernel=kernel)
     adapter, report, inputs, reference, compiled = with_kernels(kernels, adapter=tiny_flux(wide_heads_flux()))
     t = adapter.transformer
-    assert all(b.attn.mode == "fp8" for b in (*t.double_blocks, *t.single_blocks))
+    assert all(b.attn.mode == "fp8" and b.attn.kernel == kernel for b in (*t.double_blocks, *t.single_blocks))
+    assert report["fp8_attention_kernel"] == kernel
     assert report["attention_calls_per_forward"] == {"fp8_attention": len(t.double_blocks) + len(t.single_blocks)}
     assert rel_err(compiled, reference) < FP8_STEP_REL_ERR
     assert torch.equal(replayed(adapter, (64, 64), inputs, 2), compiled)

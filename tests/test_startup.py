@@ -261,6 +261,23 @@ def test_a_saved_block_is_keyed_by_its_inputs_layout():
     assert describe(table[:1, 32:64]) == describe(table[:1, 32:64].contiguous())  # one row: no stride to guard
 
 
+def test_a_saved_block_is_keyed_by_the_settings_it_was_built_with():
+    """A saved block's guards that name it are dropped, so the settings its trace reads as constants key it:
+    Flux's double blocks built for cuDNN's float8 attention and for the Triton kernel (the same weights)
+    are two artifacts, the same settings one."""
+    from conftest import wide_heads_flux
+    from pipeline.blocks.flux import FluxKernels, FluxTransformer
+    from pipeline.kernels.precompile import settings
+
+    flux = build_model(wide_heads_flux(), torch.device("cpu"), torch.float32)
+
+    def block(kernel: str) -> torch.nn.Module:
+        return FluxTransformer(flux.transformer, FluxKernels(fp8_attention=True, fp8_attention_kernel=kernel)).double_blocks[0]
+
+    assert settings(block("cudnn")) != settings(block("triton")) and settings(block("triton")) == settings(block("triton"))
+    assert json.dumps(settings(block("cudnn")))
+
+
 def test_precompile_is_said_unsupported_for_diffusers_blocks_and_refused_without_a_regional_compile():
     pixart = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     report = apply_kernels(KernelSettings(compile=True, compile_scope="blocks", precompile=True), pixart, None, shapes=1)

@@ -14,7 +14,8 @@ kernels they call is data (`FluxKernels`, from the job's kernel plan), fixed whe
 - fuse_qk_norm: the queries' and keys' RMS norms, the text and image tokens joined and the rotary
   embedding in one Triton kernel (pipeline.kernels.attention_inputs);
 - fp8_attention: the attention's two matmuls in float8 (pipeline.kernels.fp8_attention), its output
-  written as float8 rows where only float8 layers read it;
+  written as float8 rows where only float8 layers read it; those by cuDNN's float8 SDPA with
+  fp8_attention_kernel=cudnn (pipeline.kernels.cudnn_attention);
 - fp8_norm: the modulated layer norms whose only readers are float8 layers write float8 rows (the
   norm, its modulation and the quantization in one Triton kernel, pipeline.kernels.fp8_norm).
 
@@ -55,6 +56,7 @@ class FluxKernels(BlockKernels):
     fuse_qk_norm: bool = False
     fp8_attention: bool = False
     fp8_norm: bool = False
+    fp8_attention_kernel: str = "triton"  # triton | cudnn (resolved: pipeline.kernels.fp8_attention_choice)
 
 
 class Attention(torch.nn.Module):
@@ -82,6 +84,7 @@ class Attention(torch.nn.Module):
             self.text_out = linear([attn.to_add_out], kernels.fp8)
             rows_out = fp8_rows(self.out, self.text_out)
         self.rows_out = rows_out and self.mode == "fp8"
+        self.kernel = kernels.fp8_attention_kernel
         if self.mode == "fp8":
             self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
 
@@ -94,7 +97,7 @@ class Attention(torch.nn.Module):
         if self.double:
             tq, tk, tv = project(self.text_qkv, text)
         text, image = kernel_attention(self.mode, q, k, v, tq, tk, tv, self.norm_weights, cos, sin, self.heads, self.eps,
-                                       getattr(self, "qk_scales", None), self.rows_out)
+                                       getattr(self, "qk_scales", None), self.rows_out, self.kernel)
         if not self.double:
             return image
         if self.rows_out:

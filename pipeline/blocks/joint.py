@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear
 from pipeline.errors import UserError
-from pipeline.kernels import attention_inputs, fp8_attention, fp8_gelu
+from pipeline.kernels import attention_inputs, cudnn_attention, fp8_attention, fp8_gelu
 from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
 from pipeline.kernels.fp8 import QuantizedRows
 
@@ -38,12 +38,15 @@ class BlockKernels:
 
     @property
     def any(self) -> bool:
-        """Whether any is on (with none, diffusers' own transformer runs)."""
-        return any(getattr(self, f.name) for f in fields(self))
+        """Whether any switch is on (with none, diffusers' own transformer runs)."""
+        return any(getattr(self, f.name) is True for f in fields(self))
 
     def on(self) -> list[str]:
-        """The settings that are on, in their order (what the job reports)."""
-        return [f.name for f in fields(self) if getattr(self, f.name)]
+        """The switches that are on, in their order, and float8 attention's kernel once resolved (what the
+        job reports)."""
+        on = [f.name for f in fields(self) if getattr(self, f.name) is True]
+        chosen = "fp8_attention" in on and self.fp8_attention_kernel != "auto"
+        return on + ([f"fp8_attention_kernel={self.fp8_attention_kernel}"] if chosen else [])
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class JointKernels(BlockKernels):
     fp8_attention: bool = False
     fp8_norm: bool = False
     hoist_modulation: bool = False
+    fp8_attention_kernel: str = "triton"  # triton | cudnn (resolved: pipeline.kernels.fp8_attention_choice)
 
 
 class Modulations(torch.nn.Module):
@@ -185,16 +189,25 @@ def check_head_dim(dim: int, mode: str) -> None:
 
 
 def kernel_attention(mode: str, q, k, v, tq, tk, tv, norm_weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     heads: int, eps: float, qk_scales: torch.Tensor | None = None, rows_out: bool = False):
+                     heads: int, eps: float, qk_scales: torch.Tensor | None = None, rows_out: bool = False,
+                     kernel: str = "triton"):
     """Attention of RMS-normalized queries and keys by our kernels, the text tokens first: the image's
     (or every token's) projections q, k, v [B, S_i, H*D], the text's [B, S_t, H*D] or None, the norms'
     weights [4, D] (queries, keys, text queries, text keys), the rotary embedding's cos and sin
     [S_t + S_i, D] (ones and zeros: none). mode `kernel`: the norms and rotation in one Triton kernel
     (kernels.fuse_qk_norm), then SDPA; `fp8`: those and the float8 quantization, then float8 attention
     (kernels.fp8_attention, `qk_scales` its queries' and keys' scales) -> (text [B, S_t, H*D], image
-    [B, S_i, H*D]) in q's dtype, or with `rows_out` (fp8 only) as float8 rows for float8 layers."""
+    [B, S_i, H*D]) in q's dtype, or with `rows_out` (fp8 only) as float8 rows for float8 layers: by the
+    Triton kernel, or with `kernel` cudnn by cuDNN's (pipeline.kernels.cudnn_attention: float8 rows only)."""
     text_tokens = 0 if tq is None else tq.shape[1]
     dtype, head_dim = q.dtype, q.shape[-1] // heads
+    if mode == "fp8" and rows_out and kernel == "cudnn":
+        q8, k8 = torch.ops.bcg.rotated_qk(q, k, tq, tk, norm_weights, cos, sin, heads, eps, qk_scales)
+        v8, v_scale = cudnn_attention.quantize_values(v, tv, heads)
+        count_call(FP8_ATTENTION_OP)
+        text8, text_scale, image8, image_scale = cudnn_attention.attention_rows(
+            q8, k8, v8, qk_scales, v_scale, 1.0 / math.sqrt(head_dim), text_tokens)
+        return QuantizedRows(text8, text_scale, dtype), QuantizedRows(image8, image_scale, dtype)
     if mode == "fp8":
         q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(q, k, v, tq, tk, tv, norm_weights, cos, sin, qk_scales,
                                                                  heads, eps)

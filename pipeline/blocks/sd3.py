@@ -77,6 +77,7 @@ class Attention(torch.nn.Module):
         self.text_out = linear([attn.to_add_out], kernels.fp8) if attn.to_add_out is not None else None
         readers = [self.out] + ([self.text_out] if self.text_out is not None else [])
         self.rows_out = self.mode == "fp8" and fp8_rows(*readers)  # float8 attention writes their rows
+        self.kernel = kernels.fp8_attention_kernel
         if self.mode == "fp8":
             self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
 
@@ -94,7 +95,7 @@ class Attention(torch.nn.Module):
             tokens = q.shape[1] + (0 if tq is None else tq.shape[1])
             text_out, image_out = kernel_attention(self.mode, q, k, v, tq, tk, tv, self.norm_weights, cos[:tokens],
                                                    sin[:tokens], self.heads, self.eps,
-                                                   getattr(self, "qk_scales", None), self.rows_out)
+                                                   getattr(self, "qk_scales", None), self.rows_out, self.kernel)
             if not self.rows_out:  # column views of the joined output: the out-projections read rows
                 text_out, image_out = text_out.contiguous(), image_out.contiguous()
         if self.text_out is None:

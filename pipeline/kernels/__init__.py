@@ -23,24 +23,29 @@ it ends (pipeline.process_state).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from pipeline.errors import UserError
-from pipeline.kernels import attention, compile, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm, qkv, text
+from pipeline.kernels import (attention, compile, cudnn_attention, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm,
+                              qkv, text)
 from pipeline.kernels import group_norm, precompile, residual_rows
 from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
                                      start_compile_workers)
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
-from pipeline.plans import KernelSettings
+from pipeline.plans import FP8_ATTENTION_KERNELS, KernelSettings
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
-    "decode_in_chunks", "output_kernels", "process_settings", "start_compile_workers", "with_attention",
+    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "process_settings", "start_compile_workers", "with_attention",
 ]
 
 
@@ -133,7 +138,11 @@ NEEDS_CUDA: dict[Option, str] = {
 
 
 def check(kernels: KernelSettings, device: torch.device | None) -> None:
-    """The float8 settings need float8 tensor cores, the Triton kernels Triton, on a known device."""
+    """Float8 attention's kernel is one of FP8_ATTENTION_KERNELS; the float8 settings need float8 tensor
+    cores, the Triton kernels Triton, on a known device."""
+    if kernels.fp8_attention_kernel not in FP8_ATTENTION_KERNELS:
+        raise UserError(f"kernels.fp8_attention_kernel={kernels.fp8_attention_kernel!r} is not accepted; choose one "
+                        f"of {list(FP8_ATTENTION_KERNELS)}")
     if device is None:
         return
     for option in (FP8, FP8_ATTENTION, FP8_NORM):
@@ -201,6 +210,26 @@ def family_refusal(kernels: KernelSettings, family: str) -> str | None:
     return f"{reasons}; set {' '.join(fixes)}"
 
 
+def fp8_attention_choice(kernels: KernelSettings, device: torch.device | None) -> KernelSettings:
+    """kernels.fp8_attention_kernel for this device (None: not known, left as it is): auto is cuDNN's where
+    it runs (cudnn_attention.unavailable), else the Triton kernel, said once in the log and recorded in
+    stats.json (`cudnn_attention_unavailable`); cudnn where it cannot run is refused, with why."""
+    if not kernels.fp8_attention or device is None or kernels.fp8_attention_kernel == "triton":
+        return kernels
+    reason = cudnn_attention.unavailable(device)
+    if reason and kernels.fp8_attention_kernel == "cudnn":
+        raise UserError(f"kernels.fp8_attention_kernel=cudnn: cuDNN's float8 attention cannot run here: {reason}; "
+                        "set kernels.fp8_attention_kernel=triton (or auto)")
+    if reason:
+        _say_once(f"kernels: float8 attention by the Triton kernel; cuDNN's, faster, cannot run here: {reason}")
+    return replace(kernels, fp8_attention_kernel="triton" if reason else "cudnn")
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
+
+
 def output_kernels(kernels: KernelSettings) -> dict:
     """The kernel settings that change images, where they differ from the defaults (part of the
     settings' digest that a resumed job is checked against)."""
@@ -220,8 +249,9 @@ def output_kernels(kernels: KernelSettings) -> dict:
         out["residual_constants"] = CONSTANTS  # how its per-step constants are computed (their rounding)
         if kernels.fp8:  # its float8 blocks' row functions (the residual adds, norms and quantizations)
             out["residual_rows"] = residual_rows.TRITON_SETTING if kernels.fp8_norm else residual_rows.SETTING
-    if kernels.fp8_attention:  # its kernel's block sizes set the order of a row's sums
-        out["fp8_attention"] = fp8_attention.SETTING
+    if kernels.fp8_attention:  # its kernel's block sizes (cuDNN's: its version) set the order of a row's sums
+        out["fp8_attention"] = (cudnn_attention.setting() if kernels.fp8_attention_kernel == "cudnn"
+                                else fp8_attention.SETTING)
     elif kernels.fuse_qk_norm:  # its kernel's (the same in fp8_attention's)
         out.update(fuse_qk_norm=True, qk_norm=attention_inputs.SETTING)
     if kernels.fp8 and kernels.fuse_gelu:  # its kernel's block sizes set a row's reduction
@@ -256,8 +286,14 @@ def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] 
     `device_checks` False: what needs a GPU runs its CPU reference (a benchmark's smoke run)."""
     from pipeline.blocks import own_blocks, owns_blocks
 
+    kernels = fp8_attention_choice(kernels, adapter.device if device_checks else None)
     check_kernels(kernels, adapter.family, adapter.device if device_checks else None)
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
+    if kernels.fp8_attention:
+        report["fp8_attention_kernel"] = kernels.fp8_attention_kernel
+        reason = cudnn_attention.unavailable(adapter.device) if device_checks else None
+        if kernels.fp8_attention_kernel != "cudnn" and reason:
+            report["cudnn_attention_unavailable"] = reason
     report.update(text.apply(kernels, adapter))
     report.update(attention.apply(kernels, adapter))
     if not owns_blocks(kernels, adapter.family):  # our own blocks join their projections themselves

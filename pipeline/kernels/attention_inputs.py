@@ -77,10 +77,15 @@ def reference(query, key, value, text_query, text_key, text_value, norm_weights,
     float8, v8t [B, H, D, S] float8, v_scale [B, H, blocks of V_BLOCK tokens] float32."""
     query, key, value = rotated_reference(query, key, value, text_query, text_key, text_value, norm_weights, cos,
                                           sin, heads, eps)
-    q8 = (query.float() / qk_scales[0]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
-    k8 = (key.float() / qk_scales[1]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    q8, k8 = quantize_qk(query, key, qk_scales)
     v8t, v_scale = quantize_values(value)
     return q8, k8, v8t, v_scale
+
+
+def quantize_qk(query: torch.Tensor, key: torch.Tensor, qk_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated queries and keys divided by their fixed scales, as float8."""
+    return tuple((t.float() / s).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8) for t, s in ((query, qk_scales[0]),
+                                                                                          (key, qk_scales[1])))
 
 
 def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,20 +110,21 @@ def token_scales(scale: torch.Tensor, tokens: int, dim: int) -> torch.Tensor:
 @torch.library.custom_op("bcg::rotated_qk", mutates_args=())
 def rotated_qk_op(query: torch.Tensor, key: torch.Tensor, text_query: torch.Tensor | None,
                   text_key: torch.Tensor | None, norm_weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  heads: int, eps: float, qk_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The projections as fp8_attention_inputs takes them -> the normalized, joined and rotated queries
-    and keys [B, S, H, D] in the projections' dtype (`rotated_reference`'s). An operator torch.compile
-    calls as it is."""
+    and keys [B, S, H, D] in the projections' dtype (`rotated_reference`'s), or with `qk_scales` as
+    float8 divided by them (`reference`'s). An operator torch.compile calls as it is."""
     if query.device.type != "cuda":
         q, k, _ = rotated_reference(query, key, None, text_query, text_key, None, norm_weights, cos, sin, heads, eps)
-        return q, k
-    return rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, None, heads, eps)
+        return (q, k) if qk_scales is None else quantize_qk(q, k, qk_scales)
+    return rotated_qk(query, key, text_query, text_key, norm_weights, cos, sin, qk_scales, heads, eps)
 
 
 @rotated_qk_op.register_fake
-def _(query, key, text_query, text_key, norm_weights, cos, sin, heads, eps):
+def _(query, key, text_query, text_key, norm_weights, cos, sin, heads, eps, qk_scales=None):
     batch, tokens = query.shape[0], query.shape[1] + (0 if text_query is None else text_query.shape[1])
-    q = query.new_empty((batch, tokens, heads, query.shape[-1] // heads))
+    q = query.new_empty((batch, tokens, heads, query.shape[-1] // heads),
+                        dtype=query.dtype if qk_scales is None else fp8.FP8)
     return q, torch.empty_like(q)
 
 

@@ -12,8 +12,9 @@ Its first call is made at the canonical shapes (pipeline.kernels.compile.Canonic
 kernels are generated for those sizes whichever process compiles them, as the JIT compile's are;
 every other dimension of more than one element is symbolic, as under `compile_dynamic`. Every block
 of a kind calls the same compiled function with its own weights (they are its inputs). An artifact is
-keyed by what its code depends on: the kind, the weights' shapes and dtypes, the inputs' dtypes and
-ranks, the compile options, torch's version and the source of the blocks and kernels that it traced.
+keyed by what its code depends on: the kind, the settings the block was built with (`settings`), the
+weights' shapes and dtypes, the inputs' dtypes and ranks, the compile options, torch's version and the
+source of the blocks and kernels that it traced.
 
 Guards that name objects (the block instance, its modules) cannot be saved and are dropped
 (`torch.compiler.keep_portable_guards_unsafe`): the blocks are ours, their calls come from our
@@ -80,6 +81,16 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def settings(block: torch.nn.Module) -> list:
+    """What the trace of a block reads as constants, its guards naming the block being dropped: each
+    submodule's class and its attributes of plain values (the kernels it was built with: float8
+    attention's kernel, whether it writes rows, its norms' eps)."""
+    def plain(v: Any) -> bool:
+        return isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(plain, v)))
+    return [(name, type(m).__qualname__, sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and plain(v)))
+            for name, m in block.named_modules()]
+
+
 def describe(value: Any) -> Any:
     """What of a block's input its compiled code depends on: a tensor's dtype, rank and whether it is
     contiguous (its sizes are symbolic; a view's strides are guarded: hoist_modulation's windows), anything
@@ -134,7 +145,7 @@ class SavedBlocks:
             block.forward = self._serving(block)  # the instance's: the class keeps its forward
 
     def _serving(self, block: torch.nn.Module) -> Callable:
-        kind = json.dumps({"kind": type(block).__qualname__,
+        kind = json.dumps({"kind": type(block).__qualname__, "settings": settings(block),
                            "weights": [(name, list(t.shape), str(t.dtype)) for name, t in block.state_dict().items()]})
 
         def forward(*args: Any, **kwargs: Any) -> Any:
