@@ -1,5 +1,6 @@
 """Attention at Flux's shapes: PyTorch SDPA in bf16 (cuDNN, flash) against our float8 Triton kernel
-(pipeline/kernels/fp8_attention.py) for several block sizes, warps and stages, the compiled
+(pipeline/kernels/fp8_attention.py) for several block sizes, warps and stages, and cuDNN's float8 SDPA
+as kernels.fp8_attention_kernel=cudnn calls it (pipeline/kernels/cudnn_attention.py, where it runs), the compiled
 quantize-then-attend function against compiled bf16 SDPA (the quantization's cost included), and from
 the projections' outputs: the norms, join, rotation and quantization compiled by inductor against
 attention_inputs. Triton kernels (pipeline/kernels/attention_inputs.py).
@@ -30,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.kernels import cudnn_attention as ca
 from pipeline.kernels import fp8_attention as fa
 from pipeline.kernels import attention_inputs as fia
 from pipeline.timing import save_and_print_rows, time_kernels
@@ -54,6 +56,16 @@ def under(backend, fn):
         with sdpa_kernel([backend]):
             return fn(*args)
     return run
+
+
+def dequantized(out, like: torch.Tensor) -> torch.Tensor:
+    """A kernel's output in `like`'s shape [B, S, H, D]: float8 rows (text rows, their scales, image rows,
+    their scales) times their scales, joined; a tensor as it is."""
+    if torch.is_tensor(out):
+        return out
+    batch = like.shape[0]
+    parts = [(x8.flatten(0, 1).float() * s).view(batch, -1, x8.shape[-1]) for x8, s in (out[:2], out[2:])]
+    return torch.cat(parts, dim=1).view(like.shape)
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -159,12 +171,16 @@ def main() -> None:
             candidates[f"fp8 m{bm} n{bn} w{w} s{st}{' tma' if tma else ''}"] = (
                 lambda bm=bm, bn=bn, w=w, st=st, tma=tma: fa.attention(q8, k8, v8t, scales, v_scale, scale,
                                                                        bm, bn, w, st, tma))
+        if ca.unavailable(device) is None:  # cuDNN's float8 SDPA (kernels.fp8_attention_kernel=cudnn): float8 rows
+            v8, row_scale = ca.quantize_values(v.flatten(2), None, heads)
+            candidates["cudnn fp8 (rows)"] = lambda v8=v8, row_scale=row_scale: ca.attention_rows(
+                q8, k8, v8, scales, row_scale, scale, 0)
         compiled_bf16 = torch.compile(under(SDPBackend.CUDNN_ATTENTION, sdpa), dynamic=False)
         compiled_fp8 = torch.compile(lambda q, k, v: fa.fp8_sdpa(q, k, v, scales), dynamic=False)
         candidates["compiled cudnn bf16"] = lambda: compiled_bf16(q, k, v)
         candidates["compiled quantize + fp8"] = lambda: compiled_fp8(q, k, v)
         results += time_kernels(candidates, {"batch": batch, "text": 0, "tokens": tokens}, device, args.iters,
-                                lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref)})
+                                lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(dequantized(out, ref), ref)})
     for batch, text, image in PROJECTIONS if args.projections else ():
         results += from_projections(batch, text, image, device, args.iters, heads, dim)
     save_and_print_rows(args.out, device, args, results, ("batch", "text", "tokens"),

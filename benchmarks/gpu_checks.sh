@@ -24,6 +24,7 @@
 #                                                # jobs/manifests/flux_1024.parquet: diffusers' FluxPipeline saved once
 #                                                # per batch size, then our job against it: bf16 and precision=fp8 at
 #                                                # batch 1, precision=fp8 at batch 4; float8 images against bf16's
+#                                                # (FLUX_RUNS="fp8-1 fp8-1-triton": float8 attention's kernel named)
 #   bash benchmarks/gpu_checks.sh families       # the SD3 and PixArt-float8 cuda tests, then bench_families.py (FAMILIES_PLANS: plans by name, default auto's), one process
 #                                                # per family (FAMILIES="sd3_medium sd35_large ..."; FAMILIES_ARGS="--batches 1"
 #                                                # etc.): the seed's table, diffusers' pipeline and our job at batch 1 and 8,

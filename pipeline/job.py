@@ -271,8 +271,8 @@ def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> Reso
     family = model_family(cfg.model)
     overrides = {key: getattr(cfg.kernels, key) for key in SETTINGS}
     plan = resolve_plan(cfg.kernels.plan, overrides, family, device.type, precision.float8)
-    plan = replace(plan, settings=fp8_attention_choice(plan.settings, device))
     check_kernels(plan.settings, family, device)
+    plan = replace(plan, settings=fp8_attention_choice(plan.settings, device))
     if plan.settings.hoist_modulation and cfg.bcg.scope == "loop":
         raise UserError(LOOP_REFUSAL)
     return plan

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
-    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "process_settings", "start_compile_workers", "with_attention",
+    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "process_settings", "start_compile_workers",
+    "with_attention",
 ]
 
 
