@@ -179,6 +179,9 @@ def test_cudnn_float8_attention_takes_one_value_scale_a_batch_row_and_is_chosen_
                                fp8_attention_kernel=kernel).guided_eps(x) for kernel in ("triton", "cudnn")}
     assert all(rel_err(step, reference) < FP8_STEP_REL_ERR for step in steps.values())
     assert not torch.equal(steps["cudnn"], steps["triton"])
+    narrow = build_model(model_config("tiny_flux"), torch.device("cpu"), torch.float32)  # heads 16 wide
+    attn = owned(narrow, fp8=True, fp8_attention=True, fp8_attention_kernel="cudnn").transformer.double_blocks[0].attn
+    assert attn.head_dim not in cudnn_attention.HEAD_DIMS and attn.kernel == "triton"
     settings = KernelSettings(fp8=True, fp8_attention=True)
     assert fp8_attention_choice(settings, torch.device("cpu")).fp8_attention_kernel == "triton"
     monkeypatch.setattr(cudnn_attention, "unavailable", lambda device: None)

@@ -39,7 +39,7 @@ from pipeline.blocks.joint import (BlockKernels, FeedForward, JointTransformer, 
                                    residual_ff)
 from pipeline.blocks.layers import Fp8Linear, GeluLinear, linear, linear_of
 from pipeline.errors import UserError
-from pipeline.kernels import fp8_attention, fp8_gelu
+from pipeline.kernels import cudnn_attention, fp8_attention, fp8_gelu
 
 __all__ = ["FluxKernels", "FluxTransformer", "check_head_dim", "norm_weights"]
 
@@ -84,7 +84,7 @@ class Attention(torch.nn.Module):
             self.text_out = linear([attn.to_add_out], kernels.fp8)
             rows_out = fp8_rows(self.out, self.text_out)
         self.rows_out = rows_out and self.mode == "fp8"
-        self.kernel = kernels.fp8_attention_kernel
+        self.kernel = cudnn_attention.kernel_for(kernels.fp8_attention_kernel, self.head_dim)
         if self.mode == "fp8":
             self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
 

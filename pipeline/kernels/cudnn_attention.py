@@ -34,6 +34,22 @@ MIN_CUDNN = 91300  # cuDNN's first version with float8 SDPA forward
 MIN_CAPABILITY = (9, 0)
 INSTALL = "pip install 'bcg-datagen[cudnn]' (the nvidia-cudnn-frontend package)"
 SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+HEAD_DIMS = (32, 64, 128)  # the head widths its cuda tests and benchmarks ran (others take the Triton kernel)
+
+
+def kernel_for(kernel: str, head_dim: int) -> str:
+    """The kernel an attention of heads `head_dim` wide runs where the plan chose `kernel`: cuDNN's only
+    at HEAD_DIMS, the Triton kernel at other widths (said once)."""
+    if kernel != "cudnn" or head_dim in HEAD_DIMS:
+        return kernel
+    _say_once(f"kernels: float8 attention of heads {head_dim} wide runs the Triton kernel: cuDNN's has run at "
+              f"{list(HEAD_DIMS)} only")
+    return "triton"
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
 
 
 @functools.cache
