@@ -23,8 +23,6 @@ it ends (pipeline.process_state).
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -40,8 +38,6 @@ from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_st
                                      start_compile_workers)
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
 from pipeline.plans import FP8_ATTENTION_KERNELS, KernelSettings
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
@@ -222,13 +218,10 @@ def fp8_attention_choice(kernels: KernelSettings, device: torch.device | None) -
         raise UserError(f"kernels.fp8_attention_kernel=cudnn: cuDNN's float8 attention cannot run here: {reason}; "
                         "set kernels.fp8_attention_kernel=triton (or auto)")
     if reason:
-        _say_once(f"kernels: float8 attention by the Triton kernel; cuDNN's, faster, cannot run here: {reason}")
+        fp8.say_once(__name__, f"kernels: float8 attention by the Triton kernel; cuDNN's, faster, cannot run here: "
+                               f"{reason}")
     return replace(kernels, fp8_attention_kernel="triton" if reason else "cudnn")
 
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
 
 
 def output_kernels(kernels: KernelSettings) -> dict:

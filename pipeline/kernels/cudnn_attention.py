@@ -42,14 +42,10 @@ def kernel_for(kernel: str, head_dim: int) -> str:
     at HEAD_DIMS, the Triton kernel at other widths (said once)."""
     if kernel != "cudnn" or head_dim in HEAD_DIMS:
         return kernel
-    _say_once(f"kernels: float8 attention of heads {head_dim} wide runs the Triton kernel: cuDNN's has run at "
-              f"{list(HEAD_DIMS)} only")
+    fp8.say_once(__name__, f"kernels: float8 attention of heads {head_dim} wide runs the Triton kernel: cuDNN's has "
+                           f"run at {list(HEAD_DIMS)} only")
     return "triton"
 
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
 
 
 @functools.cache

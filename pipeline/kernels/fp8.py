@@ -15,6 +15,8 @@ float8 without float8 tensor cores.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import NamedTuple
 
 import torch
@@ -26,6 +28,13 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 # Scales never below this: an all-zero row (a padded row) quantizes to zeros, not to NaN.
 MIN_AMAX = 1e-12
 ALIGN = 16  # torch._scaled_mm's K and N multiple on CUDA
+
+
+@functools.cache
+def say_once(logger: str, message: str) -> None:
+    """A float8 kernel's choice the job makes by itself (a slower path, another kernel), warned once in the
+    log of `logger`; stats.json records it where it changes images."""
+    logging.getLogger(logger).warning(message)
 
 
 def check_fp8(device: torch.device, what: str = "kernels.fp8=true") -> None:

@@ -34,7 +34,6 @@ maximum first. A value below that bound keeps float8's relative precision down t
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from contextlib import nullcontext
 
@@ -42,8 +41,6 @@ import torch
 
 from pipeline.kernels import attention_inputs, fp8
 from pipeline.kernels.attention_inputs import quantize_values, token_scales
-
-log = logging.getLogger(__name__)
 
 FP8 = fp8.FP8
 FP8_MAX = fp8.FP8_MAX
@@ -262,7 +259,8 @@ def attention(q8, k8, v8t, qk_scales, v_scale, softmax_scale: float, block_m: in
             descriptors = _descriptors(q8, k8, v8t, block_m, block_n)
         else:
             tma = False
-            _say_once(f"fp8_attention: blocks loaded by address, not by TMA ({reason}); the same result, slower")
+            fp8.say_once(__name__, f"fp8_attention: blocks loaded by address, not by TMA ({reason}); the same result, "
+                                   "slower")
     text_out = text if text_tokens else image  # no text rows: never written, any valid pointer
     grid = (-(-tokens // block_m), batch * heads)
     with torch.cuda.device(q8.device) if q8.is_cuda else nullcontext():
@@ -299,7 +297,3 @@ def _descriptors(q8, k8, v8t, block_m: int, block_n: int):
             TensorDescriptor.from_tensor(k8.view(batch * tokens, heads * dim), [block_n, dim]),
             TensorDescriptor.from_tensor(v8t.view(batch * heads * dim, tokens), [dim, block_n]))
 
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
