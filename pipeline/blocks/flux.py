@@ -84,7 +84,7 @@ class Attention(torch.nn.Module):
             self.text_out = linear([attn.to_add_out], kernels.fp8)
             rows_out = fp8_rows(self.out, self.text_out)
         self.rows_out = rows_out and self.mode == "fp8"
-        self.kernel = cudnn_attention.kernel_for(kernels.fp8_attention_kernel, self.head_dim)
+        self.kernel = cudnn_attention.kernel_for(kernels.fp8_attention_kernel, self.head_dim, self.rows_out)
         if self.mode == "fp8":
             self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
 

@@ -198,21 +198,20 @@ def kernel_attention(mode: str, q, k, v, tq, tk, tv, norm_weights: torch.Tensor,
     (kernels.fuse_qk_norm), then SDPA; `fp8`: those and the float8 quantization, then float8 attention
     (kernels.fp8_attention, `qk_scales` its queries' and keys' scales) -> (text [B, S_t, H*D], image
     [B, S_i, H*D]) in q's dtype, or with `rows_out` (fp8 only) as float8 rows for float8 layers: by the
-    Triton kernel, or with `kernel` cudnn by cuDNN's (pipeline.kernels.cudnn_attention: float8 rows only)."""
+    Triton kernel, or with `kernel` cudnn (`cudnn_attention.kernel_for`: rows only) by cuDNN's."""
     text_tokens = 0 if tq is None else tq.shape[1]
     dtype, head_dim = q.dtype, q.shape[-1] // heads
-    if mode == "fp8" and rows_out and kernel == "cudnn":
-        q8, k8 = torch.ops.bcg.rotated_qk(q, k, tq, tk, norm_weights, cos, sin, heads, eps, qk_scales)
-        v8, v_scale = cudnn_attention.quantize_values(v, tv, heads)
-        count_call(FP8_ATTENTION_OP)
-        text8, text_scale, image8, image_scale = cudnn_attention.attention_rows(
-            q8, k8, v8, qk_scales, v_scale, 1.0 / math.sqrt(head_dim), text_tokens)
-        return QuantizedRows(text8, text_scale, dtype), QuantizedRows(image8, image_scale, dtype)
     if mode == "fp8":
-        q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(q, k, v, tq, tk, tv, norm_weights, cos, sin, qk_scales,
-                                                                 heads, eps)
         count_call(FP8_ATTENTION_OP)
         softmax_scale = 1.0 / math.sqrt(head_dim)
+        if kernel == "cudnn":
+            q8, k8 = torch.ops.bcg.rotated_qk(q, k, tq, tk, norm_weights, cos, sin, heads, eps, qk_scales)
+            v8, v_scale = cudnn_attention.quantize_values(v, tv, heads)
+            text8, text_scale, image8, image_scale = cudnn_attention.attention_rows(
+                q8, k8, v8, qk_scales, v_scale, softmax_scale, text_tokens)
+            return QuantizedRows(text8, text_scale, dtype), QuantizedRows(image8, image_scale, dtype)
+        q8, k8, v8t, v_scale = torch.ops.bcg.fp8_attention_inputs(q, k, v, tq, tk, tv, norm_weights, cos, sin, qk_scales,
+                                                                 heads, eps)
         if rows_out:
             text8, text_scale, image8, image_scale = torch.ops.bcg.fp8_attention_rows(
                 q8, k8, v8t, qk_scales, v_scale, softmax_scale, text_tokens)

@@ -77,7 +77,7 @@ class Attention(torch.nn.Module):
         self.text_out = linear([attn.to_add_out], kernels.fp8) if attn.to_add_out is not None else None
         readers = [self.out] + ([self.text_out] if self.text_out is not None else [])
         self.rows_out = self.mode == "fp8" and fp8_rows(*readers)  # float8 attention writes their rows
-        self.kernel = cudnn_attention.kernel_for(kernels.fp8_attention_kernel, self.head_dim)
+        self.kernel = cudnn_attention.kernel_for(kernels.fp8_attention_kernel, self.head_dim, self.rows_out)
         if self.mode == "fp8":
             self.register_buffer("qk_scales", fp8_attention.qk_scales(self.norm_weights))
 

@@ -223,7 +223,6 @@ def fp8_attention_choice(kernels: KernelSettings, device: torch.device | None) -
     return replace(kernels, fp8_attention_kernel="triton" if reason else "cudnn")
 
 
-
 def output_kernels(kernels: KernelSettings) -> dict:
     """The kernel settings that change images, where they differ from the defaults (part of the
     settings' digest that a resumed job is checked against)."""
@@ -285,9 +284,8 @@ def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] 
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
     if kernels.fp8_attention:
         report["fp8_attention_kernel"] = kernels.fp8_attention_kernel
-        reason = cudnn_attention.unavailable(adapter.device) if device_checks else None
-        if kernels.fp8_attention_kernel != "cudnn" and reason:
-            report["cudnn_attention_unavailable"] = reason
+        if kernels.fp8_attention_kernel != "cudnn" and device_checks and cudnn_attention.unavailable(adapter.device):
+            report["cudnn_attention_unavailable"] = cudnn_attention.unavailable(adapter.device)
     report.update(text.apply(kernels, adapter))
     report.update(attention.apply(kernels, adapter))
     if not owns_blocks(kernels, adapter.family):  # our own blocks join their projections themselves

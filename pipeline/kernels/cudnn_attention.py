@@ -37,15 +37,17 @@ SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale
 HEAD_DIMS = (32, 64, 128)  # the head widths its cuda tests and benchmarks ran (others take the Triton kernel)
 
 
-def kernel_for(kernel: str, head_dim: int) -> str:
-    """The kernel an attention of heads `head_dim` wide runs where the plan chose `kernel`: cuDNN's only
-    at HEAD_DIMS, the Triton kernel at other widths (said once)."""
-    if kernel != "cudnn" or head_dim in HEAD_DIMS:
-        return kernel
-    fp8.say_once(__name__, f"kernels: float8 attention of heads {head_dim} wide runs the Triton kernel: cuDNN's has "
-                           f"run at {list(HEAD_DIMS)} only")
-    return "triton"
-
+def kernel_for(kernel: str, head_dim: int, rows_out: bool) -> str:
+    """The kernel one float8 attention runs where the plan chose `kernel`: cuDNN's only where its output
+    goes to float8 layers (`rows_out`: cuDNN writes float8 only) and its heads are of HEAD_DIMS, else
+    the Triton kernel (a width cuDNN has not run: said once)."""
+    if kernel != "cudnn" or not rows_out:
+        return "triton"
+    if head_dim not in HEAD_DIMS:
+        fp8.say_once(__name__, f"kernels: float8 attention of heads {head_dim} wide runs the Triton kernel: cuDNN's "
+                               f"has run at {list(HEAD_DIMS)} only")
+        return "triton"
+    return "cudnn"
 
 
 @functools.cache
