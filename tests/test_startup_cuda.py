@@ -150,6 +150,10 @@ def test_compiled_plans_give_the_same_bytes_resumed_and_in_another_job_with_its_
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     kernels = stats(tmp_path / "whole")["kernels"]
     assert kernels["plan"] == name and kernels["reproducible"] is True
+    if name == "flux-fp8":  # the attention kernel auto picks: cuDNN's where it runs
+        from pipeline.kernels import cudnn_attention
+        assert kernels["fp8_attention_kernel"] == ("triton" if cudnn_attention.unavailable(torch.device("cuda:0"))
+                                                   else "cudnn")
     compiled = kernels["compile"]  # fast-fp8: False
     if compiled:
         assert kernels["compiled_for"] == "native-size-rows-1-and-2"

@@ -59,7 +59,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    round_to = rounding.round_to()
+    round_to, store_float8 = rounding.round_to(), rounding.store_float8()
     exp_linear = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e))
     exp_cubic = tl.constexpr(exp_linear * 0.044715)
 
@@ -88,19 +88,13 @@ def _kernel():
         x_row, q_row = x_ptr + row * n_cols, q_ptr + row * n_cols
         head = tl.arange(0, HEAD)
         y_head = gelu_rounded(x_row, head, None, False)
-        amax = tl.max(tl.abs(y_head), axis=0)
+        y_tail, tail, tail_ok = y_head, head, None
         if TAIL > 0:
             tail = HEAD + tl.arange(0, TAIL)
             tail_ok = tail < n_cols
             y_tail = gelu_rounded(x_row, tail, tail_ok, True)
-            amax = tl.maximum(amax, tl.max(tl.abs(y_tail), axis=0))
-        scale = tl.maximum(amax, min_amax) / fp8_max
-        inverse = 1.0 / scale
-        # the float8 cast saturates at +-448: a product rounded past it needs no clamp
-        tl.store(q_row + head, (y_head * inverse).to(q_ptr.dtype.element_ty))
-        if TAIL > 0:
-            tl.store(q_row + tail, (y_tail * inverse).to(q_ptr.dtype.element_ty), mask=tail_ok)
-        tl.store(scale_ptr + row, scale)
+        store_float8(q_row, scale_ptr, y_head, head, None, y_tail, tail, tail_ok, row + tl.arange(0, 1), None,
+                     fp8_max, min_amax, AXIS=0, TAIL=TAIL)
 
     return gelu_quantize_kernel
 

@@ -67,7 +67,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    round_to = rounding.round_to()
+    round_to, store_float8 = rounding.round_to(), rounding.store_float8()
 
     @triton.jit
     def modulated(x, shift, scale, mean, rstd, dtype):
@@ -126,19 +126,13 @@ def _kernel():
         rstd = tl.math.rsqrt(squares / n_cols + eps)
         y_head = modulated(x_head, load(SHIFT + b * shift_b, head, None, False), load(SCALE + b * scale_b, head, None, False),
                            mean, rstd, dtype)
-        amax = tl.max(tl.abs(y_head), axis=0)
+        y_tail, tail_at, tail_mask = y_head, head, None
         if TAIL > 0:
             y_tail = modulated(x_tail, load(SHIFT + b * shift_b, tail, tail_ok, True),
                                load(SCALE + b * scale_b, tail, tail_ok, True), mean, rstd, dtype)
-            amax = tl.maximum(amax, tl.max(tl.where(tail_ok, tl.abs(y_tail), 0.0), axis=0))
-        row_scale = tl.maximum(amax, min_amax) / fp8_max
-        inverse = 1.0 / row_scale
-        q_row = Q + row * n_cols
-        # the float8 cast saturates at +-448: a product rounded past it needs no clamp
-        tl.store(q_row + head, (y_head * inverse).to(Q.dtype.element_ty))
-        if TAIL > 0:
-            tl.store(q_row + tail, (y_tail * inverse).to(Q.dtype.element_ty), mask=tail_ok)
-        tl.store(QS + row, row_scale)
+            tail_at, tail_mask = tail, tail_ok
+        store_float8(Q + row * n_cols, QS, y_head, head, None, y_tail, tail_at, tail_mask, row + tl.arange(0, 1),
+                     None, fp8_max, min_amax, AXIS=0, TAIL=TAIL)
 
     return norm_rows_kernel
 

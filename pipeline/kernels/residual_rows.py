@@ -98,7 +98,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    round_to = rounding.round_to()
+    round_to, store_float8 = rounding.round_to(), rounding.store_float8()
 
     @triton.jit
     def stream_part(X, U, GATE, S, offsets, cols, ok, col_ok, UPDATE: tl.constexpr, GATED: tl.constexpr):
@@ -155,16 +155,10 @@ def _kernel():
             y_head = x_head
             if TAIL > 0:
                 y_tail = x_tail
-        amax = tl.max(tl.abs(y_head), axis=1)
-        if TAIL > 0:
-            amax = tl.maximum(amax, tl.max(tl.where(tail_ok, tl.abs(y_tail), 0.0), axis=1))
-        row_scale = tl.maximum(amax, min_amax) / fp8_max
-        inverse = (1.0 / row_scale)[:, None]
-        # the float8 cast saturates at +-448: a product rounded past it needs no clamp
-        tl.store(Q + base + head, (y_head * inverse).to(Q.dtype.element_ty), mask=head_ok)
-        if TAIL > 0:
-            tl.store(Q + base + tail, (y_tail * inverse).to(Q.dtype.element_ty), mask=tail_ok)
-        tl.store(QS + rows, row_scale, mask=row_ok)
+        if TAIL == 0:
+            y_tail, tail, tail_ok = y_head, head, head_ok
+        store_float8(Q + base, QS, y_head, head, head_ok, y_tail, tail, tail_ok, rows[:, None], row_ok[:, None],
+                     fp8_max, min_amax, AXIS=1, TAIL=TAIL)
 
     return residual_rows_kernel
 

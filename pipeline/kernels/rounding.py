@@ -107,3 +107,31 @@ def pairs():
                                              is_pure=True, pack=1)
 
     return unpair, pair_to
+
+
+@functools.cache
+def store_float8():
+    """-> the jitted store_float8(Q, QS, y_head, head_at, head_ok, y_tail, tail_at, tail_ok, scale_at, scale_ok,
+    fp8_max, min_amax, AXIS, TAIL): rows of float32 values held as a head block and, where TAIL > 0, a tail
+    block (lanes outside tail_ok: any value), quantized as pipeline.kernels.fp8.quantize_rows does along AXIS
+    (the blocks' last): each row's absolute maximum (at least min_amax) / fp8_max is its scale, its values
+    times the scale's inverse are written as float8 to Q + head_at and Q + tail_at, the scale to QS + scale_at
+    (a block of one per row). *_ok: the masks of those stores (None: all)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_float8(Q, QS, y_head, head_at, head_ok, y_tail, tail_at, tail_ok, scale_at, scale_ok, fp8_max,
+                     min_amax, AXIS: tl.constexpr, TAIL: tl.constexpr):
+        amax = tl.max(tl.abs(y_head), axis=AXIS, keep_dims=True)
+        if TAIL > 0:
+            amax = tl.maximum(amax, tl.max(tl.where(tail_ok, tl.abs(y_tail), 0.0), axis=AXIS, keep_dims=True))
+        scale = tl.maximum(amax, min_amax) / fp8_max
+        inverse = 1.0 / scale
+        # the float8 cast saturates at +-448: a product rounded past it needs no clamp
+        tl.store(Q + head_at, (y_head * inverse).to(Q.dtype.element_ty), mask=head_ok)
+        if TAIL > 0:
+            tl.store(Q + tail_at, (y_tail * inverse).to(Q.dtype.element_ty), mask=tail_ok)
+        tl.store(QS + scale_at, scale, mask=scale_ok)
+
+    return store_float8
