@@ -1,5 +1,6 @@
 """Triton helpers shared by our kernels: a float32 value rounded to a 16-bit float, as the model's
-own ops round it; and pairs of values held in one word, read and written.
+own ops round it; pairs of values held in one word, read and written; and rows written as float8 with
+their scales, as pipeline.kernels.fp8.quantize_rows writes them (`store_float8`).
 
 Triton converts float32 to bfloat16 or float16 one value per instruction (F2F), and on Hopper that
 instruction runs on the same narrow unit as the exponentials and reciprocals (16 per clock per SM),
