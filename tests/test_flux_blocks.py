@@ -191,6 +191,8 @@ def test_cudnn_float8_attention_takes_one_value_scale_a_batch_row_and_is_chosen_
     with pytest.raises(UserError, match=r"kernels.fp8_attention_kernel='fast' is not accepted; choose one of "
                                         r"\['auto', 'triton', 'cudnn'\]"):
         check_kernels(KernelSettings(fp8_attention_kernel="fast"))
+    mistyped = replace(settings, fp8_attention_kernel="fast")  # left for check() to refuse, not resolved
+    assert fp8_attention_choice(mistyped, torch.device("cuda")) == mistyped
     with pytest.raises(UserError, match=r"kernels.fp8_attention_kernel=cudnn: cuDNN's float8 attention cannot run "
                                         r"here: the GPU is too old; set kernels.fp8_attention_kernel=triton"):
         fp8_attention_choice(replace(settings, fp8_attention_kernel="cudnn"), torch.device("cuda"))

@@ -37,7 +37,7 @@ from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
                                      start_compile_workers)
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
-from pipeline.plans import FP8_ATTENTION_KERNELS, KernelSettings
+from pipeline.plans import AUTO, FP8_ATTENTION_KERNELS, KernelSettings
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
@@ -211,8 +211,8 @@ def fp8_attention_choice(kernels: KernelSettings, device: torch.device | None) -
     """kernels.fp8_attention_kernel for this device (None: not known, left as it is): auto is cuDNN's where
     it runs (cudnn_attention.unavailable), else the Triton kernel, said once in the log and recorded in
     stats.json (`cudnn_attention_unavailable`); cudnn where it cannot run is refused, with why."""
-    if not kernels.fp8_attention or device is None or kernels.fp8_attention_kernel == "triton":
-        return kernels
+    if not kernels.fp8_attention or device is None or kernels.fp8_attention_kernel not in (AUTO, "cudnn"):
+        return kernels  # triton as asked; anything else is check()'s to refuse
     reason = cudnn_attention.unavailable(device)
     if reason and kernels.fp8_attention_kernel == "cudnn":
         raise UserError(f"kernels.fp8_attention_kernel=cudnn: cuDNN's float8 attention cannot run here: {reason}; "
@@ -279,13 +279,15 @@ def apply_kernels(kernels: KernelSettings, adapter, probe_size: tuple[int, int] 
     `device_checks` False: what needs a GPU runs its CPU reference (a benchmark's smoke run)."""
     from pipeline.blocks import own_blocks, owns_blocks
 
-    kernels = fp8_attention_choice(kernels, adapter.device if device_checks else None)
-    check_kernels(kernels, adapter.family, adapter.device if device_checks else None)
+    device = adapter.device if device_checks else None
+    check_kernels(kernels, adapter.family, device)  # first: a mistyped kernel is refused, not resolved
+    kernels = fp8_attention_choice(kernels, device)
     report: dict = {"attention": kernels.attention, "compile": kernels.compile, "fp8": kernels.fp8}
     if kernels.fp8_attention:
         report["fp8_attention_kernel"] = kernels.fp8_attention_kernel
-        if kernels.fp8_attention_kernel != "cudnn" and device_checks and cudnn_attention.unavailable(adapter.device):
-            report["cudnn_attention_unavailable"] = cudnn_attention.unavailable(adapter.device)
+        why = None if device is None or kernels.fp8_attention_kernel == "cudnn" else cudnn_attention.unavailable(device)
+        if why:
+            report["cudnn_attention_unavailable"] = why
     report.update(text.apply(kernels, adapter))
     report.update(attention.apply(kernels, adapter))
     if not owns_blocks(kernels, adapter.family):  # our own blocks join their projections themselves
