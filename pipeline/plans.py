@@ -45,7 +45,7 @@ class KernelSettings:
     # fuse_residual's block leaves to fuse (its per-step constants; off CUDA its layer norms).
     compile_scope: str = "model"
     # One q|k|v matmul per attention (PixArt: diffusers' fused projections, or its own float8 blocks';
-    # SD3, Flux: their own blocks').
+    # SD3, Flux: their own blocks'; SD3's joint attention: both streams' written into the buffer SDPA reads).
     fuse_qkv: bool = False
     # With compile: reductions over rows of up to 16,384 values read each row once.
     persistent_reductions: bool = False
@@ -119,8 +119,8 @@ _FLUX_FP8 = {**_FLUX, "fp8": True, "fp8_attention": True, "fp8_norm": True, "fus
 # SD3's as Flux's where they apply (no single-stream blocks to split); its float8 plan keeps bf16 attention:
 # at 64 values per head the softmax, not the matmuls, bounds it
 _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_gelu": True, "persistent_reductions": True,
-        "fuse_qk_norm": True, "hoist_modulation": True, "precompile": True, **_DECODER}
-_SD3_FP8 = {**_SD3, "fp8": True, "fp8_norm": True, "fuse_qkv": True}
+        "fuse_qk_norm": True, "hoist_modulation": True, "fuse_qkv": True, "precompile": True, **_DECODER}
+_SD3_FP8 = {**_SD3, "fp8": True, "fp8_norm": True}
 _FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "trim_text_padding": True, **_DECODER}
 # the float8 blocks' row functions (residual adds, norms, quantizations) each one Triton kernel, q|k|v joined
 _FAST_FP8 = {**_FAST, "fp8": True, "fp8_norm": True, "fuse_qkv": True}
@@ -141,10 +141,11 @@ PLANS: dict[str, Plan] = {
                      "the decoder's group norms fused", ("pixart",), _FAST_FP8,
                      cuda_only=_FP8_CORES, float8=True),
     "sd3": Plan("SD3's own joint blocks compiled once for every shape and saved whole for later jobs to load: the GELU in "
-                "the up-projection's epilogue, SD3.5's queries' and keys' norms in one kernel, every step's modulation "
-                "computed before a batch's first, cuDNN attention; the decoder's group norms fused", ("sd3",), _SD3,
+                "the up-projection's epilogue, q|k|v joined (SD3's written into the buffer attention reads), SD3.5's "
+                "queries' and keys' norms in one kernel, every step's modulation computed before a batch's first, cuDNN "
+                "attention; the decoder's group norms fused", ("sd3",), _SD3,
                 cuda_only=_EPILOGUE),
-    "sd3-fp8": Plan("the sd3 plan with float8 linear layers, norms writing float8 rows and fused q|k|v projections; "
+    "sd3-fp8": Plan("the sd3 plan with float8 linear layers and norms writing float8 rows; "
                     "attention stays in bf16 (float8's, at SD3's 64 values per head, is slower: docs/BENCHMARKS.md)",
                     ("sd3",), _SD3_FP8,
                     cuda_only=_FP8_CORES, float8=True),

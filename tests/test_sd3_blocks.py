@@ -74,6 +74,8 @@ def test_own_blocks_compute_diffusers_step_with_every_exact_setting():
         assert plain.blocks[0].attn.qkv[0].weight.data_ptr() == source.transformer_blocks[0].attn.to_q.weight.data_ptr()
         attn = fused.blocks[0].attn
         assert len(attn.qkv) == len(attn.text_qkv) == 1 and attn.qkv[0].weight.shape[0] == 3 * attn.heads * attn.head_dim
+        # SD3's joint attentions (no q/k norms) read the one buffer both streams' matmuls write; SD3.5's normalize first
+        assert [a.joined for a in fused.attentions()] == [not normed and a.joint for a in fused.attentions()], name
         last = plain.blocks[-1]
         assert last.pre_only and last.attn.text_out is None and last.ff_context is None
         assert [b.attn2 is not None for b in plain.blocks] == [i in source.config.dual_attention_layers
@@ -111,6 +113,38 @@ def test_float8_blocks_hand_each_kernel_s_rows_to_the_float8_layers():
     assert report["attention_modes"] == {"torch": len(plain.transformer.blocks)}
 
 
+def test_joined_projections_write_each_sample_s_streams_where_attention_reads_them():
+    """SD3's joint attention under fuse_qkv: each sample's image rows then its text rows, by matmuls of that
+    sample's rows alone (a sample's values are the same in a batch of one), equal to projecting the streams
+    apart and joining them (fp32 rounding), through bf16-like and float8 layers; in float8 the SD3 step
+    stays close to fp32 and to the float8 step that joins after its projections."""
+    from pipeline.blocks.joint import joined_projection
+    from pipeline.blocks.layers import linear_of
+    from test_flux_blocks import FP8_STEP_REL_ERR, rel_err
+
+    gen = torch.Generator().manual_seed(3)
+    image, text = torch.randn(3, 20, 32, generator=gen), torch.randn(3, 7, 32, generator=gen)
+    weights = [(torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)) for _ in range(2)]
+    for as_fp8 in (False, True):
+        layer, text_layer = (linear_of(w, b, as_fp8) for w, b in weights)
+        assert isinstance(layer, Fp8Linear if as_fp8 else Linear)
+        with torch.no_grad():
+            out = joined_projection(layer, image, text_layer, text)
+            apart = torch.cat([layer(image), text_layer(text)], dim=1)
+            first = joined_projection(layer, image[:1], text_layer, text[:1])
+        assert out.shape == (3, 27, 48) and rel_err(out, apart) < 1e-6, as_fp8
+        assert torch.equal(first, out[:1]), as_fp8
+    sd3 = sd3_model("tiny_sd3")
+    x = random_inputs(sd3)
+    with torch.no_grad():
+        reference = sd3.guided_eps(x)
+        steps = {fuse: owned(sd3, fp8=True, fp8_norm=True, fuse_gelu=True, fuse_qkv=fuse).guided_eps(x)
+                 for fuse in (False, True)}
+    assert all(a.joined for a in owned(sd3, fp8=True, fuse_qkv=True).transformer.attentions())
+    assert rel_err(steps[True], reference) < FP8_STEP_REL_ERR
+    assert rel_err(steps[True], steps[False]) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["tiny_sd3", "tiny_sd35_medium"])
 def test_hoisted_modulation_gives_every_step_what_the_step_computed(name):
     """kernels.hoist_modulation on SD3's blocks: every adaptive norm's modulation (an MMDiT-X block's nine
@@ -144,16 +178,17 @@ def test_sd3_settings_are_named_in_the_digest_and_refused_where_they_cannot_run(
 
 
 @pytest.mark.slow
-def test_own_blocks_compile_one_graph_per_block_kind_and_compute_the_eager_step():
-    """Regional compile of the SD3.5-Medium-like model's blocks with the exact settings the CPU runs: one
-    graph per kind of block (with a second attention, plain, the last), each traced once, for every
-    resolution and batch (CFG's [negative; positive] rows: never a batch of one); the compiled step is the
-    eager one's."""
-    sd3 = sd3_model("tiny_sd35_medium")
+@pytest.mark.parametrize("name, kinds", [("tiny_sd35_medium", 3), ("tiny_sd3", 2)])
+def test_own_blocks_compile_one_graph_per_block_kind_and_compute_the_eager_step(name, kinds):
+    """Regional compile of the SD3.5-Medium-like model's blocks (and SD3's, whose joint attention reads the
+    joined projections' buffer) with the exact settings the CPU runs: one graph per kind of block (with a
+    second attention, plain, the last), each traced once, for every resolution and batch (CFG's [negative;
+    positive] rows: never a batch of one); the compiled step is the eager one's."""
+    sd3 = sd3_model(name)
     settings = {"fuse_qkv": True, "fuse_qk_norm": True, "hoist_modulation": True}
     outs, attempts, graphs = regional_compile_steps(owned(sd3, **settings), owned(sd3, **settings),
                                                     lambda x: x["pooled"].normal_())
-    assert graphs == 3, graphs  # dual, plain, last
-    assert attempts == {"compile_attempt_0": 3}, attempts
+    assert graphs == kinds, graphs  # (dual,) plain, last
+    assert attempts == {"compile_attempt_0": kinds}, attempts
     for compiled, reference in outs:
         assert rel_err(compiled, reference) < 1e-4

@@ -5,7 +5,8 @@ processes of its own:
   resumed in a new process, and a job run as two shard processes at once, give the bytes of one
   uninterrupted process; the resumed process loads the layer norm's kernel from the job's cache;
 - the compiled plans, bf16 and float8: Flux's (the tiny Flux with heads the float8 attention takes),
-  SD3's (the SD3.5-Medium-like tiny model: q/k norms, an MMDiT-X layer), and PixArt's float8 plan
+  SD3's (the SD3.5-Medium-like tiny model: q/k norms, an MMDiT-X layer; the SD3 one: joined q|k|v), and
+  PixArt's float8 plan
   (fast-fp8: Triton kernels of fixed block sizes, nothing compiled): a stopped and resumed job gives the
   uninterrupted bytes (the resumed process loads what the first compiled), and another job on some of
   the same rows, with its own compile cache and another first shape, gives those rows' bytes too.
@@ -46,6 +47,9 @@ COMPILED_PLANS = {
     "flux-fp8": ((*FLUX, "precision=fp8"), "flux-fp8"),
     "sd3-bf16": ((*SD3, "precision=bf16"), "sd3"),
     "sd3-fp8": ((*SD3, "precision=fp8"), "sd3-fp8"),
+    # SD3's joint attentions (no q/k norms) reading the buffer their joined projections write
+    "sd3-joined-bf16": (("model=tiny_sd3", *COMMON, "precision=bf16"), "sd3"),
+    "sd3-joined-fp8": (("model=tiny_sd3", *COMMON, "precision=fp8"), "sd3-fp8"),
     "pixart-fp8": (("model=tiny", *PIXART, *COMMON, "precision=fp8"), "fast-fp8"),
     # the blocks traced in every process, as without kernels.precompile (the Flux plans save them whole)
     "flux-fp8-traced": ((*FLUX, "precision=fp8", "kernels.precompile=false"), "flux-fp8"),

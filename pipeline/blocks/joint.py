@@ -25,6 +25,7 @@ from pipeline.errors import UserError
 from pipeline.kernels import attention_inputs, cudnn_attention, fp8_attention, fp8_gelu
 from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
 from pipeline.kernels.fp8 import QuantizedRows
+from pipeline.kernels.joined import joined_linear, joined_scaled_mm
 
 
 class BlockKernels:
@@ -161,6 +162,20 @@ def project(layers: torch.nn.ModuleList, x) -> tuple[torch.Tensor, torch.Tensor,
     if len(layers) == 1:
         return layers[0](x).chunk(3, dim=-1)
     return tuple(layer(x) for layer in layers)
+
+
+def joined_projection(layer: torch.nn.Module, x, text_layer: torch.nn.Module, text) -> torch.Tensor:
+    """A joint attention's q|k|v of both streams (x [B, S_i, C] and text [B, S_t, C], or their float8 rows,
+    through their joined layers) -> [B, S_i + S_t, 3 * H*D], each sample's image rows then its text rows,
+    written there by the matmuls (pipeline.kernels.joined); layers of two kinds: projected, then joined."""
+    if isinstance(layer, Fp8Linear) and isinstance(text_layer, Fp8Linear):
+        (x8, scale), (t8, text_scale) = layer.quantized(x), text_layer.quantized(text)
+        return joined_scaled_mm(x8, scale, t8, text_scale, layer.weight8, layer.weight_scale, layer.bias,
+                                text_layer.weight8, text_layer.weight_scale, text_layer.bias, x.dtype)
+    if type(layer) is Linear and type(text_layer) is Linear:
+        x, text = (t.dequantize() if isinstance(t, QuantizedRows) else t for t in (x, text))
+        return joined_linear(x, text, layer.weight, layer.bias, text_layer.weight, text_layer.bias)
+    return torch.cat([layer(x), text_layer(text)], dim=1)
 
 
 def norm_weights(attn: torch.nn.Module) -> torch.Tensor:

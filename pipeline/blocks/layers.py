@@ -99,10 +99,16 @@ class Fp8Linear(torch.nn.Module):
         return self.weight8.shape[1]
 
     def forward(self, x: Activation) -> torch.Tensor:
+        x8, scale = self.quantized(x)
+        return self.rows(x8.reshape(-1, x8.shape[-1]), scale, x8.shape, x.dtype)
+
+    @staticmethod
+    def quantized(x: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's float8 rows [..., K] (as its producer wrote them, or quantized here) and their scales [rows, 1]."""
         if isinstance(x, QuantizedRows):
-            return self.rows(x.x8.reshape(-1, x.x8.shape[-1]), x.scale, x.x8.shape, x.dtype)
+            return x.x8, x.scale
         x8, scale = fp8.quantize_rows(x.reshape(-1, x.shape[-1]))
-        return self.rows(x8, scale, x.shape, x.dtype)
+        return x8.view(x.shape), scale
 
     def rows(self, x8: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Quantized rows x8 [M, K] with scales [M, 1] of an activation of `shape` [..., K] -> [..., N]."""

@@ -13,7 +13,9 @@ out-projection, no text feed-forward).
 Which kernels the blocks call is data (`joint.JointKernels`, from the job's kernel plan), fixed when
 they are built:
 
-- fuse_qkv: one q|k|v matmul per stream and attention (the layers' weights joined);
+- fuse_qkv: one q|k|v matmul per stream and attention (the layers' weights joined); a joint attention
+  without q/k norms (SD3's) then has each sample's image and text rows written by those matmuls into one
+  buffer, whose strided views SDPA reads (pipeline.kernels.joined: no join after the projections);
 - fp8: the blocks' linear layers as rowwise-scaled float8 matmuls (the modulation stays in bf16);
 - fuse_gelu: the feed-forward's tanh GELU in the up-projection's cuBLASLt epilogue, or under fp8 in
   the down-projection's float8 quantization (pipeline.kernels.fp8_gelu);
@@ -41,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.blocks.joint import (FeedForward, JointKernels, JointTransformer, Modulations, check_head_dim, fp8_rows,
-                                   kernel_attention, modulated_norm, norm_weights, project, projections, residual_ff)
+                                   joined_projection, kernel_attention, modulated_norm, norm_weights, project,
+                                   projections, residual_ff)
 from pipeline.blocks.layers import linear
 from pipeline.errors import UserError
 from pipeline.kernels import cudnn_attention, fp8_attention
@@ -70,6 +73,8 @@ class Attention(torch.nn.Module):
             self.mode = "fp8" if kernels.fp8_attention else "kernel" if kernels.fuse_qk_norm else "torch"
         if self.mode != "torch" and torch.device(device).type == "cuda":
             check_head_dim(self.head_dim, self.mode)
+        # fuse_qkv on a joint attention of plain SDPA: both streams' q|k|v written into one buffer it reads
+        self.joined = kernels.fuse_qkv and self.joint and self.mode == "torch" and not self.normed
         self.qkv = projections([attn.to_q, attn.to_k, attn.to_v], kernels)
         self.out = linear([attn.to_out[0]], kernels.fp8)
         if self.joint:
@@ -85,6 +90,16 @@ class Attention(torch.nn.Module):
         """x [B, S_i, C] (or its float8 rows), text [B, S_t, C] (or its rows) or None (an image-only
         attention); cos and sin [S_t + S_i, D] of no rotation, read in the kernel modes -> (the image's
         output [B, S_i, C], the text's [B, S_t, C] or None)."""
+        if self.joined:
+            text_out, image_out = self.attend_joined(x, text)
+        else:
+            text_out, image_out = self.project_and_attend(x, text, cos, sin)
+        if self.text_out is None:
+            return self.out(image_out), None
+        return self.out(image_out), self.text_out(text_out)
+
+    def project_and_attend(self, x, text, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """Each stream's q, k and v, then attention -> (the text's attention output or None, the image's)."""
         q, k, v = project(self.qkv, x)
         tq = tk = tv = None
         if self.joint:
@@ -98,9 +113,7 @@ class Attention(torch.nn.Module):
                                                    getattr(self, "qk_scales", None), self.rows_out, self.kernel)
             if not self.rows_out:  # column views of the joined output: the out-projections read rows
                 text_out, image_out = text_out.contiguous(), image_out.contiguous()
-        if self.text_out is None:
-            return self.out(image_out), None
-        return self.out(image_out), self.text_out(text_out)
+        return text_out, image_out
 
     def attend(self, q, k, v, tq, tk, tv) -> tuple[torch.Tensor | None, torch.Tensor]:
         """JointAttnProcessor2_0 between its projections and its out-projections: [B, S, H*D] each ->
@@ -118,9 +131,22 @@ class Attention(torch.nn.Module):
             if self.normed:
                 tq, tk = self.norm_added_q(tq), self.norm_added_k(tk)
             q, k, v = torch.cat([q, tq], dim=2), torch.cat([k, tk], dim=2), torch.cat([v, tv], dim=2)
+        return self.attention(q, k, v, image_tokens if self.joint else None)
+
+    def attend_joined(self, x, text) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` of queries, keys and values that are strided views of one buffer of both streams' q|k|v
+        (`joined_projection`: nothing joined after the matmuls) -> (text [B, S_t, H*D], image [B, S_i, H*D])."""
+        qkv = joined_projection(self.qkv[0], x, self.text_qkv[0], text)
+        batch, tokens = qkv.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(batch, tokens, 3, self.heads, self.head_dim).unbind(2))
+        return self.attention(q, k, v, x.shape[1])
+
+    def attention(self, q, k, v, image_tokens: int | None):
+        """SDPA of [B, H, S, D] each -> (text or None, image) [B, S_*, H*D]: a joint attention's tokens are
+        the image's `image_tokens` then the text's."""
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2).reshape(batch, -1, self.heads * self.head_dim).to(q.dtype)
-        if not self.joint:
+        out = out.transpose(1, 2).reshape(q.shape[0], -1, self.heads * self.head_dim).to(q.dtype)
+        if image_tokens is None:
             return None, out
         return out[:, image_tokens:], out[:, :image_tokens]
 

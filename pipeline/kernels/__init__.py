@@ -9,7 +9,8 @@ for what diffusers' modules do not compute, the transformer is replaced by the p
 - fp8, fp8_gelu, fp8_norm: float8 numerics, the GELU and the modulated norms writing float8 rows
 - norm: PixArt's fixed Triton layer norm (its own blocks, kernels.fuse_residual); residual_rows: its
   float8 blocks' residual adds, norms and quantizations
-- qkv: diffusers' fused projections (PixArt); text: kernels.trim_text_padding
+- qkv: diffusers' fused projections (PixArt); joined: SD3's joint attention's projections written into one
+  buffer; text: kernels.trim_text_padding
 - compile: inductor (mode, tuning, the cache, the shapes it first compiles, workers, counts);
   reductions: its persistent reductions; precompile: the compiled blocks saved whole and loaded; decoder: the VAE decoder's kernels (group_norm: its fused group
   norms, or inductor's compile)
