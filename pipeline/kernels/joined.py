@@ -29,6 +29,11 @@ def _into(out: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: Opt
         torch.addmm(bias, rows, weight.t(), out=out)
 
 
+def _aligned(scales: torch.Tensor) -> torch.Tensor:
+    """A sample's rows' scales where cuBLASLt reads them: at a 16-byte boundary (a copy where the slice is not)."""
+    return scales if scales.data_ptr() % 16 == 0 else scales.clone()
+
+
 @torch.library.custom_op("bcg::joined_linear", mutates_args=())
 def joined_linear(image: torch.Tensor, text: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   text_weight: torch.Tensor, text_bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -66,11 +71,6 @@ def joined_scaled_mm(image8: torch.Tensor, image_scale: torch.Tensor, text8: tor
                          scale_b=text_weight_scale, bias=text_bias, out_dtype=out_dtype, use_fast_accum=True,
                          out=out[b, split:])
     return out
-
-
-def _aligned(scales: torch.Tensor) -> torch.Tensor:
-    """A sample's rows' scales where cuBLASLt reads them: at a 16-byte boundary (a copy where the slice is not)."""
-    return scales if scales.data_ptr() % 16 == 0 else scales.clone()
 
 
 @joined_scaled_mm.register_fake
