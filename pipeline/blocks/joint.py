@@ -167,15 +167,14 @@ def project(layers: torch.nn.ModuleList, x) -> tuple[torch.Tensor, torch.Tensor,
 def joined_projection(layer: torch.nn.Module, x, text_layer: torch.nn.Module, text) -> torch.Tensor:
     """A joint attention's q|k|v of both streams (x [B, S_i, C] and text [B, S_t, C], or their float8 rows,
     through their joined layers) -> [B, S_i + S_t, 3 * H*D], each sample's image rows then its text rows,
-    written there by the matmuls (pipeline.kernels.joined); layers of two kinds: projected, then joined."""
-    if isinstance(layer, Fp8Linear) and isinstance(text_layer, Fp8Linear):
+    written there by the matmuls (pipeline.kernels.joined). Both layers are [3 * H*D, C], so `linear` made them
+    of one kind: float8 or not."""
+    if isinstance(layer, Fp8Linear):
         (x8, scale), (t8, text_scale) = layer.quantized(x), text_layer.quantized(text)
         return joined_scaled_mm(x8, scale, t8, text_scale, layer.weight8, layer.weight_scale, layer.bias,
                                 text_layer.weight8, text_layer.weight_scale, text_layer.bias, x.dtype)
-    if type(layer) is Linear and type(text_layer) is Linear:
-        x, text = (t.dequantize() if isinstance(t, QuantizedRows) else t for t in (x, text))
-        return joined_linear(x, text, layer.weight, layer.bias, text_layer.weight, text_layer.bias)
-    return torch.cat([layer(x), text_layer(text)], dim=1)
+    x, text = (t.dequantize() if isinstance(t, QuantizedRows) else t for t in (x, text))
+    return joined_linear(x, text, layer.weight, layer.bias, text_layer.weight, text_layer.bias)
 
 
 def norm_weights(attn: torch.nn.Module) -> torch.Tensor:
