@@ -110,11 +110,30 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
         time.sleep(BASELINE_PAUSE_S)
         return baseline(*args, **kwargs)
 
+    made, sizes = bench.to_diffusers, []
+
+    class Counted:  # the pipeline, each call's size noted
+        def __init__(self, pipe):
+            self.pipe = pipe
+
+        def __call__(self, **kwargs):
+            sizes.append((kwargs["width"], kwargs["height"]))
+            return self.pipe(**kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.pipe, name)
+
     monkeypatch.setattr(bench, "diffusers_baseline", slow_baseline)
+    monkeypatch.setattr(bench, "to_diffusers", lambda adapter: Counted(made(adapter)))
     age_before = process_age_s()
     result = run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "bench.baseline_batch=4"))
-    assert result["baseline"]["images"] == result["ours"]["images"] == 7
-    assert result["baseline"]["calls"] == 2 + 1  # 64 px: 4 + 1 rows, 64x128: 2 rows
+    base = result["baseline"]
+    assert base["images"] == result["ours"]["images"] == 7
+    assert base["calls"] == 2 + 1  # 64 px: 4 + 1 rows, 64x128: 2 rows
+    # one untimed warm-up call first, on the first timed call's rows; end to end, a script's run counts its set-up
+    assert sizes == [(64, 64)] * 3 + [(128, 64)] and base["warmup_s"] > 0
+    assert base["seconds"] < base["end_to_end_s"] < base["seconds"] + base["warmup_s"]
+    assert result["speedup_end_to_end"] == pytest.approx(base["end_to_end_s"] / result["ours"]["end_to_end_s"], rel=0.01)
     assert result["speedup_end_to_end"] > 0
     pixels = result["vs_baseline_pixels"]
     assert pixels["images"] == 4 + 2 and pixels["max"] <= 2  # fp32 on CPU: the parity tests' bound
@@ -131,10 +150,14 @@ def test_bench_table_shows_our_gpu_memory():
     from reports import part
 
     baseline = {"pipeline": "PixArtSigmaPipeline", "images": 12, "calls": 3, "batch": 4, "seconds": 6.0,
-                "images_per_s": 2.0, "prompts": "text"}
+                "images_per_s": 2.0, "prompts": "text", "warmup_s": 3.0, "end_to_end_s": 7.0}
     result = {"rows": 12, **comparison(baseline, part(), 3.0), "vs_baseline_pixels": {"images": 0}}
     assert result["ours"]["gpu_memory"]["peak_allocated_gib"] == 13.0
+    # end to end against the script's run (its first call's set-up counted), the generate phase against its calls warm
+    assert (result["speedup_end_to_end"], result["speedup_generate"]) == (round(7.0 / 3.0, 3), round(31.5 / 2.0, 3))
     lines = table(result).splitlines()
+    assert any(line.endswith("end to end (its first call's set-up) | 12 | 7.0 | 1.714 | 1.00x |") for line in lines)
+    assert "| diffusers, after an untimed warm-up call | 12 | 6.0 | 2.000 | 1.00x |" in lines
     assert "GPU memory: peak 13.0 GiB allocated (14.0 GiB reserved); model 12.5 GiB; as denoising starts 3.25 GiB " \
            "allocated (4.0 GiB reserved), text encoders released" in lines
 
