@@ -175,6 +175,13 @@ def main() -> None:
             v8, row_scale = ca.quantize_values(v.flatten(2), None, heads)
             candidates["cudnn fp8 (rows)"] = lambda v8=v8, row_scale=row_scale: ca.attention_rows(
                 q8, k8, v8, scales, row_scale, scale, 0)
+
+            def row_scaled(q, k, v):  # queries and keys without norms (SD3's): each tensor scaled by its row's maximum
+                (q8, sq), (k8, sk), (v8, sv) = (ca.quantize_row_scaled(t.flatten(2), heads) for t in (q, k, v))
+                return ca.attention_rows(q8, k8, v8, torch.stack([sq, sk]), sv, scale, 0)
+
+            compiled_rows = torch.compile(row_scaled, dynamic=False)
+            candidates["compiled row-scaled quantize + cudnn fp8"] = lambda: compiled_rows(q, k, v)
         compiled_bf16 = torch.compile(under(SDPBackend.CUDNN_ATTENTION, sdpa), dynamic=False)
         compiled_fp8 = torch.compile(lambda q, k, v: fa.fp8_sdpa(q, k, v, scales), dynamic=False)
         candidates["compiled cudnn bf16"] = lambda: compiled_bf16(q, k, v)

@@ -85,12 +85,18 @@ def quantize_values(value: torch.Tensor, text_value: torch.Tensor | None, heads:
     """The image's (or a single block's) values [B, S_i, H*D] and a double block's text values [B, S_t, H*D]
     (else None) -> the joined values (text first) as float8 [B, S, H, D] and each batch row's scale
     float32 [B]: its absolute maximum over all heads and tokens / 448."""
-    joined = value if text_value is None else torch.cat([text_value, value], dim=1)
+    return quantize_row_scaled(value if text_value is None else torch.cat([text_value, value], dim=1), heads)
+
+
+def quantize_row_scaled(t: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries, keys or values [B, S, H*D] (any strides) -> float8 [B, S, H, D] contiguous and each batch row's
+    scale float32 [B]: its absolute maximum over all heads and tokens / 448 (a maximum is exact in any order:
+    the scale does not depend on how the reduction splits, nor on the batch's other rows)."""
     # each token's maximum first, then the row's: a reduction per token (many programs), then a short one,
     # where one reduction over a whole row leaves a few programs to read it all
-    scale = joined.abs().amax(dim=2).amax(dim=1).float().clamp(min=fp8.MIN_AMAX) / fp8.FP8_MAX
-    v8 = (joined.float() / scale[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
-    return v8.unflatten(-1, (heads, -1)), scale
+    scale = t.abs().amax(dim=2).amax(dim=1).float().clamp(min=fp8.MIN_AMAX) / fp8.FP8_MAX
+    t8 = (t.float() / scale[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    return t8.unflatten(-1, (heads, -1)).contiguous(), scale
 
 
 def output_scale(v_scale: torch.Tensor) -> torch.Tensor:
