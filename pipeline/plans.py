@@ -146,7 +146,7 @@ PLANS: dict[str, Plan] = {
                 "attention; the decoder's group norms fused", ("sd3",), _SD3,
                 cuda_only=_EPILOGUE),
     "sd3-fp8": Plan("the sd3 plan with float8 linear layers and norms writing float8 rows; "
-                    "attention stays in bf16 (float8's, at SD3's 64 values per head, is slower: docs/BENCHMARKS.md)",
+                    "attention stays in bf16 (float8's, at SD3's 64 values per head, is no faster: docs/BENCHMARKS.md)",
                     ("sd3",), _SD3_FP8,
                     cuda_only=_FP8_CORES, float8=True),
     "flux": Plan("Flux's own blocks compiled once for every shape: the GELU in the up-projection's epilogue, the "
