@@ -156,7 +156,7 @@ def test_bench_table_shows_our_gpu_memory():
     # end to end against the script's run (its first call's set-up counted), the generate phase against its calls warm
     assert (result["speedup_end_to_end"], result["speedup_generate"]) == (round(7.0 / 3.0, 3), round(31.5 / 2.0, 3))
     lines = table(result).splitlines()
-    assert any(line.endswith("end to end (its first call's set-up) | 12 | 7.0 | 1.714 | 1.00x |") for line in lines)
+    assert any(line.endswith("end to end (first call's set-up counted) | 12 | 7.0 | 1.714 | 1.00x |") for line in lines)
     assert "| diffusers, after an untimed warm-up call | 12 | 6.0 | 2.000 | 1.00x |" in lines
     assert "GPU memory: peak 13.0 GiB allocated (14.0 GiB reserved); model 12.5 GiB; as denoising starts 3.25 GiB " \
            "allocated (4.0 GiB reserved), text encoders released" in lines
