@@ -2,9 +2,10 @@
 (pipeline/kernels/fp8_attention.py) for several block sizes, warps and stages, and cuDNN's float8 SDPA
 as kernels.fp8_attention_kernel=cudnn calls it (pipeline/kernels/cudnn_attention.py, where it runs), and with
 queries, keys and values each scaled by its batch row's maximum (what queries and keys without norms, SD3
-Medium's, would need; the quantization compiled in), the compiled quantize-then-attend function against compiled bf16 SDPA (the quantization's cost included), and from
-the projections' outputs: the norms, join, rotation and quantization compiled by inductor against
-attention_inputs. Triton kernels (pipeline/kernels/attention_inputs.py).
+Medium's, would need; the quantization compiled in), the compiled quantize-then-attend function against
+compiled bf16 SDPA (the quantization's cost included), and from the projections' outputs: the norms, join,
+rotation and quantization compiled by inductor against attention_inputs' Triton kernels
+(pipeline/kernels/attention_inputs.py).
 
 On the GPU, from the repository root:
 
