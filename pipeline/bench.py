@@ -299,8 +299,8 @@ def load_baseline(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndar
                         f"+job=bench bench.baseline_only=true output.dir={path}") from None
     if saved.get("baseline_fingerprint") != fingerprint:
         raise UserError(f"bench.baseline_from={path}: that baseline ran other rows or settings (manifest, model, "
-                        "precision, sampler.steps, sampler.guidance_scale or bench.baseline_batch); run it again with "
-                        "this job's")
+                        "precision, sampler.steps, sampler.guidance_scale or bench.baseline_batch) or was timed by an older "
+                        "version (before its untimed warm-up call); run it again with this job's")
     reference = {p.stem: np.asarray(Image.open(p).convert("RGB")) for p in sorted((path / BASELINE_DIR).glob("*.png"))}
     return saved["baseline"], reference
 
