@@ -25,6 +25,8 @@
 #                                                # per batch size, then our job against it: bf16 and precision=fp8 at
 #                                                # batch 1, precision=fp8 at batch 4; float8 images against bf16's
 #                                                # (FLUX_RUNS="fp8-1 fp8-1-triton": float8 attention's kernel named)
+#   bash benchmarks/gpu_checks.sh sd3-job        # the same for SD3 Medium (model=sd3_medium), SD3_RUNS default
+#                                                # "bf16-1 fp8-1 bf16-8 fp8-8"
 #   bash benchmarks/gpu_checks.sh families       # the SD3 and PixArt-float8 cuda tests, then bench_families.py (FAMILIES_PLANS: plans by name, default auto's), one process
 #                                                # per family (FAMILIES="sd3_medium sd35_large ..."; FAMILIES_ARGS="--batches 1"
 #                                                # etc.): the seed's table, diffusers' pipeline and our job at batch 1 and 8,
@@ -160,30 +162,32 @@ flux() {
   tail_if_failed $flux_rc "$BENCH_OUT/bench_flux.log"
 }
 
-flux_job() {  # the product's command on FLUX.1-dev: its default plans, bf16 and precision=fp8, against diffusers
-  # FLUX_RUNS: "precision-batch[-kernel]" words (default: bf16-1 fp8-1 fp8-4; kernel: kernels.fp8_attention_kernel,
-  # e.g. fp8-1-triton); each batch's baseline is saved once, under /tmp/flux-base-b<batch> (FLUX_KEEP=1: a
-  # baseline already there is reused, with the compile cache)
-  local manifest=jobs/manifests/flux_1024.parquet cache=/tmp/flux-cache run precision batch fp8k code common
-  common=(+job=bench model=flux_dev manifest.path=$manifest kernels.compile_cache_dir=$cache)
-  [ -n "${FLUX_KEEP:-}" ] || rm -rf /tmp/flux-base-* $cache
-  for run in ${FLUX_RUNS:-bf16-1 fp8-1 fp8-4}; do
+product_job() {  # product_job MODEL TAG RUNS: the product's command (+job=bench model=MODEL, no kernels.* key) on the
+  # 8 rows at 1024 px of flux_1024.parquet: the model's default plans, bf16 and precision=fp8, against diffusers.
+  # RUNS: "precision-batch[-kernel]" words (kernel: kernels.fp8_attention_kernel, e.g. fp8-1-triton); each batch's
+  # baseline is saved once, under /tmp/TAG-base-b<batch> (JOB_KEEP=1: a baseline already there is reused, with the
+  # compile cache); files and logs are named TAG_*
+  local model=$1 tag=$2 runs=$3 manifest=jobs/manifests/flux_1024.parquet run precision batch fp8k code common cache
+  cache=/tmp/$tag-cache
+  common=(+job=bench model=$model manifest.path=$manifest kernels.compile_cache_dir=$cache)
+  [ -n "${JOB_KEEP:-${FLUX_KEEP:-}}" ] || rm -rf /tmp/$tag-base-* $cache
+  for run in $runs; do
     precision=${run%%-*}; batch=${run#*-}; fp8k=
     [[ $batch == *-* ]] && { fp8k=${batch#*-}; batch=${batch%%-*}; }
-    if [ ! -f /tmp/flux-base-b$batch/bench.json ]; then  # diffusers' pipeline alone, its timing and images saved
-      timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=bf16 bench.baseline_only=true bench.baseline_batch=$batch output.dir=/tmp/flux-base-b$batch > "$BENCH_OUT/flux_base_b$batch.log" 2>&1; code=$?
-      cp /tmp/flux-base-b$batch/bench.json "$BENCH_OUT/flux_base_b${batch}.json" 2>/dev/null
-      echo "== flux baseline, batch $batch"; rc $code; tail_if_failed $code "$BENCH_OUT/flux_base_b$batch.log"
+    if [ ! -f /tmp/$tag-base-b$batch/bench.json ]; then  # diffusers' pipeline alone, its timing and images saved
+      timeout -s KILL ${JOB_LIMIT:-${FLUX_LIMIT:-240}} python3 -m pipeline.run "${common[@]}" precision=bf16 bench.baseline_only=true bench.baseline_batch=$batch output.dir=/tmp/$tag-base-b$batch > "$BENCH_OUT/${tag}_base_b$batch.log" 2>&1; code=$?
+      cp /tmp/$tag-base-b$batch/bench.json "$BENCH_OUT/${tag}_base_b${batch}.json" 2>/dev/null
+      echo "== $tag baseline, batch $batch"; rc $code; tail_if_failed $code "$BENCH_OUT/${tag}_base_b$batch.log"
     fi
-    rm -rf /tmp/flux-ours-$run
-    timeout -s KILL ${FLUX_LIMIT:-240} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/flux-base-b$batch output.dir=/tmp/flux-ours-$run ${fp8k:+kernels.fp8_attention_kernel=$fp8k} "${kernels[@]}" > "$BENCH_OUT/flux_$run.log" 2>&1; code=$?
-    cp /tmp/flux-ours-$run/bench.json "$BENCH_OUT/flux_${run}_bench.json" 2>/dev/null
-    cp /tmp/flux-ours-$run/stats.json "$BENCH_OUT/flux_${run}_stats.json" 2>/dev/null
-    bench_summary "flux job, 8 rows at 1024 px, precision=$precision, batch $batch ${KERNELS:-}" $code "$BENCH_OUT/flux_$run.log"
+    rm -rf /tmp/$tag-ours-$run
+    timeout -s KILL ${JOB_LIMIT:-${FLUX_LIMIT:-240}} python3 -m pipeline.run "${common[@]}" precision=$precision bcg.ladder=[$batch] bench.baseline_batch=$batch bench.baseline_from=/tmp/$tag-base-b$batch output.dir=/tmp/$tag-ours-$run ${fp8k:+kernels.fp8_attention_kernel=$fp8k} "${kernels[@]}" > "$BENCH_OUT/${tag}_$run.log" 2>&1; code=$?
+    cp /tmp/$tag-ours-$run/bench.json "$BENCH_OUT/${tag}_${run}_bench.json" 2>/dev/null
+    cp /tmp/$tag-ours-$run/stats.json "$BENCH_OUT/${tag}_${run}_stats.json" 2>/dev/null
+    bench_summary "$tag job, 8 rows at 1024 px, precision=$precision, batch $batch ${KERNELS:-}" $code "$BENCH_OUT/${tag}_$run.log"
   done
-  if [ -d /tmp/flux-ours-bf16-1/images ] && [ -d /tmp/flux-ours-fp8-1/images ]; then
-    python3 -m pipeline.compare /tmp/flux-ours-bf16-1 /tmp/flux-ours-fp8-1 --json "$BENCH_OUT/flux_fp8_vs_bf16.json" > "$BENCH_OUT/flux_fp8_vs_bf16.log" 2>&1; code=$?
-    echo "== flux fp8 vs bf16 images"; rc $code; tail -6 "$BENCH_OUT/flux_fp8_vs_bf16.log" | cut -c1-300
+  if [ -d /tmp/$tag-ours-bf16-1/images ] && [ -d /tmp/$tag-ours-fp8-1/images ]; then
+    python3 -m pipeline.compare /tmp/$tag-ours-bf16-1 /tmp/$tag-ours-fp8-1 --json "$BENCH_OUT/${tag}_fp8_vs_bf16.json" > "$BENCH_OUT/${tag}_fp8_vs_bf16.log" 2>&1; code=$?
+    echo "== $tag fp8 vs bf16 images"; rc $code; tail -6 "$BENCH_OUT/${tag}_fp8_vs_bf16.log" | cut -c1-300
   fi
 }
 
@@ -382,7 +386,8 @@ for what in "${@:-cuda-tests}"; do
     engine) engine ;;
     bench-200) bench_200 ;;
     flux) flux ;;
-    flux-job) flux_job ;;
+    flux-job) product_job flux_dev flux "${FLUX_RUNS:-bf16-1 fp8-1 fp8-4}" ;;
+    sd3-job) product_job sd3_medium sd3 "${SD3_RUNS:-bf16-1 fp8-1 bf16-8 fp8-8}" ;;
     families) families ;;
     kernels-1024) kernels_1024 ;;
     kernels-512) kernels_512 ;;
