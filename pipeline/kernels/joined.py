@@ -34,6 +34,14 @@ def _aligned(scales: torch.Tensor) -> torch.Tensor:
     return scales if scales.data_ptr() % 16 == 0 else scales.clone()
 
 
+def _scaled_into(out: torch.Tensor, rows8: torch.Tensor, scales: torch.Tensor, sample: int, weight8: torch.Tensor,
+                 weight_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Sample `sample` of float8 rows [B, S, K] (their scales [B * S, 1]) through a float8 layer, into out [S, N]."""
+    tokens = rows8.shape[1]
+    torch._scaled_mm(rows8[sample], weight8.t(), scale_a=_aligned(scales[sample * tokens:(sample + 1) * tokens]),
+                     scale_b=weight_scale, bias=bias, out_dtype=out.dtype, use_fast_accum=True, out=out)
+
+
 @torch.library.custom_op("bcg::joined_linear", mutates_args=())
 def joined_linear(image: torch.Tensor, text: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   text_weight: torch.Tensor, text_bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -61,15 +69,10 @@ def joined_scaled_mm(image8: torch.Tensor, image_scale: torch.Tensor, text8: tor
     [B, S_i, K] with its rows' scales [B * S_i, 1], text8 [B, S_t, K] with [B * S_t, 1], each weight8 [N, K]
     with its scales [1, N] -> [B, S_i + S_t, N] in out_dtype, one torch._scaled_mm per sample and stream."""
     out = _joined(image8, text8, weight8.shape[0], out_dtype)
-    split, text_tokens = image8.shape[1], text8.shape[1]
+    split = image8.shape[1]
     for b in range(image8.shape[0]):
-        torch._scaled_mm(image8[b], weight8.t(), scale_a=_aligned(image_scale[b * split:(b + 1) * split]),
-                         scale_b=weight_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=True,
-                         out=out[b, :split])
-        torch._scaled_mm(text8[b], text_weight8.t(),
-                         scale_a=_aligned(text_scale[b * text_tokens:(b + 1) * text_tokens]),
-                         scale_b=text_weight_scale, bias=text_bias, out_dtype=out_dtype, use_fast_accum=True,
-                         out=out[b, split:])
+        _scaled_into(out[b, :split], image8, image_scale, b, weight8, weight_scale, bias)
+        _scaled_into(out[b, split:], text8, text_scale, b, text_weight8, text_weight_scale, text_bias)
     return out
 
 
