@@ -32,7 +32,7 @@ from pipeline.errors import UserError
 from pipeline.generate import GpuBusy, Inflight, Lookahead, prepare_batch, submit_with_retry
 from pipeline.gpu_memory import MemoryMarks
 from pipeline.kernels import (apply_kernels, check_kernels, compile_cache, compile_stats, fp8_attention_choice,
-                              output_kernels, process_settings, start_compile_workers, with_attention)
+                              output_kernels, process_settings, start_compile_workers, tma_choice, with_attention)
 from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
@@ -270,7 +270,7 @@ def job_plan(cfg: JobConfig, device: torch.device, precision: Precision) -> Reso
     its settings exclude each other, do not serve this family or need another device."""
     family = model_family(cfg.model)
     overrides = {key: getattr(cfg.kernels, key) for key in SETTINGS}
-    plan = resolve_plan(cfg.kernels.plan, overrides, family, device.type, precision.float8)
+    plan = tma_choice(resolve_plan(cfg.kernels.plan, overrides, family, device.type, precision.float8), device)
     check_kernels(plan.settings, family, device)
     plan = replace(plan, settings=fp8_attention_choice(plan.settings, device))
     if plan.settings.hoist_modulation and cfg.bcg.scope == "loop":

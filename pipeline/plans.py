@@ -54,6 +54,9 @@ class KernelSettings:
     # The feed-forward's tanh GELU in the up-projection's cuBLASLt epilogue (CUDA); with fp8, in the
     # down-projection's float8 quantization (one Triton kernel).
     fuse_gelu: bool = False
+    # With fp8 and fuse_gelu: the up-projection, its GELU and the float8 rows the down-projection reads as one
+    # Triton matmul (CUDA sm90+), each row scaled by a bound its input gives, not by its maximum. Images differ.
+    fuse_gelu_mm: bool = False
     # Flux, SD3.5: the attention's two matmuls in float8, one Triton kernel (CUDA sm89+). Images differ.
     fp8_attention: bool = False
     # Float8 attention's kernel where its output goes to float8 layers: cudnn (cuDNN's float8 SDPA: sm90+,
@@ -122,8 +125,9 @@ _SD3 = {"attention": "cudnn", "compile": True, "compile_scope": "blocks", "fuse_
         "fuse_qk_norm": True, "hoist_modulation": True, "fuse_qkv": True, "precompile": True, **_DECODER}
 _SD3_FP8 = {**_SD3, "fp8": True, "fp8_norm": True}
 _FAST = {"attention": "cudnn", "fuse_gelu": True, "fuse_residual": True, "trim_text_padding": True, **_DECODER}
-# the float8 blocks' row functions (residual adds, norms, quantizations) each one Triton kernel, q|k|v joined
-_FAST_FP8 = {**_FAST, "fp8": True, "fp8_norm": True, "fuse_qkv": True}
+# the float8 blocks' row functions (residual adds, norms, quantizations) each one Triton kernel, q|k|v joined, the
+# up-projection writing its GELU's float8 rows
+_FAST_FP8 = {**_FAST, "fp8": True, "fp8_norm": True, "fuse_qkv": True, "fuse_gelu_mm": True}
 _EPILOGUE = "the GELU runs in cuBLASLt's epilogue, which only CUDA has"
 _FP8_CORES = "float8 tensor cores (sm89+)"
 
@@ -136,9 +140,10 @@ PLANS: dict[str, Plan] = {
                  "the decoder's group norms fused; nothing compiled",
                  ("pixart",), _FAST, cuda_only=_EPILOGUE),
     "fast-fp8": Plan("PixArt's own blocks with float8 linear layers, each residual add and layer norm in the Triton "
-                     "kernel that quantizes the next layers' rows, the GELU in the down-projection's quantization, "
-                     "q|k|v joined, cuDNN attention, each batch's text cut to its longest prompt; nothing compiled; "
-                     "the decoder's group norms fused", ("pixart",), _FAST_FP8,
+                     "kernel that quantizes the next layers' rows, the up-projection, its GELU and the down-projection's "
+                     "float8 rows one Triton matmul (sm90+; below, the GELU in that quantization), q|k|v joined, "
+                     "cuDNN attention, each batch's text cut to its longest prompt; nothing compiled; the decoder's "
+                     "group norms fused", ("pixart",), _FAST_FP8,
                      cuda_only=_FP8_CORES, float8=True),
     "sd3": Plan("SD3's own joint blocks compiled once for every shape and saved whole for later jobs to load: the GELU in "
                 "the up-projection's epilogue, q|k|v joined (SD3's written into the buffer attention reads), SD3.5's "

@@ -13,9 +13,9 @@ import torch
 from conftest import model_config, wide_heads_flux
 from pipeline.blocks import own_blocks
 from pipeline.blocks.flux import FluxKernels, FluxTransformer, check_head_dim, norm_weights
-from pipeline.blocks.layers import Fp8Linear, Linear
+from pipeline.blocks.layers import Fp8GeluLinear, Fp8Linear, Linear
 from pipeline.errors import UserError
-from pipeline.kernels import check_kernels, compile_stats, fp8_attention, fp8_norm, output_kernels
+from pipeline.kernels import check_kernels, compile_stats, fp8, fp8_attention, fp8_gelu_mm, fp8_norm, output_kernels
 from pipeline.kernels.attention import FP8_ATTENTION_OP, probe_attention
 from pipeline.kernels.compile import compile_transformer
 from pipeline.kernels.fp8 import FP8
@@ -110,20 +110,24 @@ def hoisted_steps_match_the_step(adapter, guidance: torch.Tensor, side: int = 64
 
 def float8_steps(adapter, own, base: dict) -> tuple[dict, object, dict]:
     """The adapter's step (random inputs) on its own float8 blocks (`own(adapter, **settings)`) with `base`
-    and each kernel that hands the float8 layers their rows (the GELU's, the norms', the attention's), then
-    all of them -> ({variant: step}, the last variant's adapter, its attention calls by backend); every step
-    within FP8_STEP_REL_ERR of the model's own fp32 step."""
+    and each kernel that hands the float8 layers their rows (the GELU's, the up-projection's own GELU rows, the
+    norms', the attention's), then all of them -> ({variant: step}, the last variant's adapter, its attention
+    calls by backend); every step within FP8_STEP_REL_ERR of the model's own fp32 step; the up-projections
+    that write their GELU's rows are every feed-forward's whose down-projection is float8."""
     x = random_inputs(adapter)
     with torch.no_grad():
         reference = adapter.guided_eps(x)
     steps = {}
-    for name, extra in (("layers", {}), ("gelu", {"fuse_gelu": True}), ("norm", {"fp8_norm": True}),
-                        ("attention", {"fp8_attention": True}),
+    for name, extra in (("layers", {}), ("gelu", {"fuse_gelu": True}), ("gelu_mm", {"fuse_gelu": True, "fuse_gelu_mm": True}),
+                        ("norm", {"fp8_norm": True}), ("attention", {"fp8_attention": True}),
                         ("all", {"fuse_gelu": True, "fp8_norm": True, "fp8_attention": True})):
         ours = own(adapter, **base, **extra)
         with torch.no_grad():
             steps[name] = ours.guided_eps(x)
         assert rel_err(steps[name], reference) < FP8_STEP_REL_ERR, name
+        if name == "gelu_mm":
+            feed_forwards = [m for m in ours.transformer.modules() if hasattr(m, "gelu_rows") and hasattr(m, "down")]
+            assert feed_forwards and all(isinstance(m.up, Fp8GeluLinear) and not m.gelu_rows for m in feed_forwards)
     return steps, ours, probe_attention(lambda: ours.guided_eps(x))
 
 
@@ -198,8 +202,40 @@ def test_cudnn_float8_attention_takes_one_value_scale_a_batch_row_and_is_chosen_
         fp8_attention_choice(replace(settings, fp8_attention_kernel="cudnn"), torch.device("cuda"))
 
 
+def test_gelu_mm_rows_scale_each_row_by_a_bound_its_input_gives():
+    """kernels.fuse_gelu_mm's op (the CPU runs its torch reference): the float8 rows of the tanh GELU of a float8
+    layer's output, each row scaled by the bound its input's scale and the weight give; as precise as scaling
+    each row by its own maximum; no value saturates, not even a row aligned with the weight's largest row,
+    which comes within a factor of two of the bound; a row's bytes do not depend on the other rows."""
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(256, 384)
+    w8, w_scale = fp8.quantize_weight(layer.weight.detach())
+    bias = layer.bias.detach().to(torch.bfloat16)
+    rows = torch.randn(40, 256, generator=gen) * 2 + 0.3
+    largest = (w8.float() * w_scale.t()).norm(dim=1).argmax()
+    rows[3] = torch.sign(w8[largest].float()) * 5  # every value at the row's maximum, along the largest row
+    x8, x_scale = fp8.quantize_rows(rows.to(torch.bfloat16))
+    bound = fp8_gelu_mm.bounds(w8, w_scale, bias)
+    q, scale = torch.ops.bcg.gelu_mm_rows(x8, x_scale, w8, w_scale, bias, bound)
+    assert q.dtype == FP8 and q.shape == (40, 384) and torch.equal(scale, fp8_gelu_mm.out_scales(x_scale, bound))
+    exact = torch.nn.functional.gelu((x8.float() @ w8.float().t()) * x_scale * w_scale + bias.float(), approximate="tanh")
+    by_max = fp8.quantize_rows(exact)
+    assert rel_err(q.float() * scale, exact) < 1.2 * rel_err(by_max[0].float() * by_max[1], exact)
+    assert float(q.float().abs().max()) < fp8.FP8_MAX and float(q[3].float().abs().max()) > fp8.FP8_MAX / 2
+    q_part, scale_part = torch.ops.bcg.gelu_mm_rows(x8[5:9], x_scale[5:9], w8, w_scale, bias, bound)
+    assert torch.equal(q_part.view(torch.uint8), q[5:9].view(torch.uint8)) and torch.equal(scale_part, scale[5:9])
+
+
 def test_float8_settings_are_flux_s_named_in_the_digest_and_refused_without_float8_cores():
     assert output_kernels(KernelSettings(fp8=True, fp8_norm=True))["fp8_norm"] == fp8_norm.SETTING
+    mm = KernelSettings(fp8=True, fuse_gelu=True, fuse_gelu_mm=True)
+    assert output_kernels(mm)["fp8_gelu_mm"] == fp8_gelu_mm.SETTING
+    for missing in ("fp8", "fuse_gelu"):
+        with pytest.raises(UserError, match=rf"kernels.fuse_gelu_mm=true needs kernels.{missing}=true: .*set "
+                                            rf"kernels.{missing}=true, or kernels.fuse_gelu_mm=false"):
+            check_kernels(replace(mm, **{missing: False}))
+    with pytest.raises(UserError, match=r"kernels.fuse_gelu_mm=true: its matmul is .*model families \[[^\]]*'flux'"):
+        check_kernels(mm, "dit")
     assert output_kernels(KernelSettings(fp8_attention=True))["fp8_attention"] == fp8_attention.SETTING
     with pytest.raises(UserError, match=r"kernels.fp8_norm=true needs kernels.fp8=true: .*set kernels.fp8=true, or "
                                         r"kernels.fp8_norm=false"):

@@ -222,6 +222,43 @@ def test_fp8_gelu_kernel_quantizes_as_the_unfused_ops(cols):
     assert torch.equal(q_part.view(torch.uint8), q[5:9].view(torch.uint8)) and torch.equal(scale_part, scale[5:9])
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="its matmul reads by TMA: sm90+")
+@pytest.mark.parametrize("rows,k,n,bias", [(1003, 1152, 4608, True), (333, 256, 384, False), (4096, 3072, 12288, True)])
+def test_gelu_mm_kernel_computes_what_its_reference_does(rows, k, n, bias):
+    """kernels.fuse_gelu_mm's Triton matmul against its torch reference (fp8_gelu_mm.reference, an fp32 matmul):
+    the same row scales; each value within a float8 step of the reference's, or of the row's largest value
+    within what float8 tensor cores' sums (fast accumulation) and the approximate 2^x and 1/x lose; against the
+    exact GELU as precise as each row scaled by its own maximum; a second call writes the same bytes; a row's
+    result does not depend on the other rows (part of them alone)."""
+    import torch.nn.functional as F
+
+    from pipeline.kernels import fp8, fp8_gelu_mm
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    layer = torch.nn.Linear(k, n, device="cuda")
+    w8, w_scale = fp8.quantize_weight(layer.weight.detach())
+    b = layer.bias.detach().to(torch.bfloat16) if bias else None
+    x8, x_scale = fp8.quantize_rows((torch.randn(rows, k, generator=gen, device="cuda") * 2).to(torch.bfloat16))
+    bound = fp8_gelu_mm.bounds(w8, w_scale, b)
+    q, scale = torch.ops.bcg.gelu_mm_rows(x8, x_scale, w8, w_scale, b, bound)
+    ref_q, ref_scale = fp8_gelu_mm.reference(x8, x_scale, w8, w_scale, b, bound)
+    assert q.dtype == FP8 and q.shape == (rows, n) and torch.allclose(scale, ref_scale, rtol=2 ** -22, atol=0)
+    got, want = q.float() * scale, ref_q.float() * ref_scale
+    row_max = want.abs().amax(dim=1, keepdim=True)
+    step = 0.125 * torch.maximum(got.abs(), want.abs()) + row_max * 2 ** -8  # e4m3: 3 mantissa bits
+    equal = float((q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean())
+    print(f"gelu_mm {rows}x{k}x{n}: equal bytes {equal:.4f}, largest difference over its bound "
+          f"{float(((got - want).abs() / step).max()):.3f}")
+    assert bool(((got - want).abs() <= step).all()) and equal > 0.9
+    exact = F.gelu((x8.float() @ w8.float().t()) * x_scale * w_scale + (b.float() if bias else 0), approximate="tanh")
+    by_max, by_max_scale = fp8.quantize_rows(exact)
+    assert rel_err(got, exact) < 1.1 * rel_err(by_max.float() * by_max_scale, exact)
+    again = torch.ops.bcg.gelu_mm_rows(x8, x_scale, w8, w_scale, b, bound)
+    assert torch.equal(again[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(again[1], scale)
+    part = torch.ops.bcg.gelu_mm_rows(x8[5:9], x_scale[5:9], w8, w_scale, b, bound)
+    assert torch.equal(part[0].view(torch.uint8), q[5:9].view(torch.uint8)) and torch.equal(part[1], scale[5:9])
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_flux_fused_projections_and_gelu_epilogue_compiled_replay_equals_the_compiled_call(split):
     """kernels.fuse_qkv and kernels.fuse_gelu on Flux (both block kinds), with and without

@@ -4,6 +4,8 @@ compiled layer norm for every shape, and the settings it is refused with."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -173,32 +175,46 @@ def test_other_models_and_changed_blocks_are_refused_by_name():
         fuse_residual(pixart.transformer, False, None)
 
 
-def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close():
+def test_float8_blocks_keep_the_residual_adds_and_the_gelu_fused_and_stay_close(monkeypatch):
     """kernels.fuse_residual with kernels.fp8 (PixArt's float8 blocks; the CPU runs torch's emulated float8
     matmul and the kernels' torch references): every block linear layer is float8 with its weight quantized
     once; each residual add is done by the function that next reads the stream, whose norm is fast's (the
     same bytes, then quantized); the GELU in the down-projection's quantization gives the bytes the unfused
     GELU gives; the step stays close to diffusers' fp32 step, masked captions of three lengths included, with
-    the projections joined as fast-fp8 joins them too (kernels.fuse_qkv: 7 float8 layers a block, not 10); the
-    plan's digest names the row functions, the Triton kernels' under kernels.fp8_norm."""
-    from pipeline.blocks.layers import Fp8Linear
+    the projections joined as fast-fp8 joins them too (kernels.fuse_qkv: 7 float8 layers a block, not 10) and its
+    up-projections writing their GELU's float8 rows (kernels.fuse_gelu_mm), which a float8 GPU below sm90 turns
+    off, said in the plan's line (set on there otherwise, it is refused); the plan's digest names the row functions, the
+    Triton kernels' under kernels.fp8_norm."""
+    from pipeline.blocks.layers import Fp8GeluLinear, Fp8Linear
     from pipeline.blocks.pixart import modulated_norm
-    from pipeline.kernels import fp8, output_kernels, residual_rows
-    from pipeline.plans import PLANS
+    from pipeline.kernels import fp8, output_kernels, residual_rows, tma_choice
+    from pipeline.plans import PLANS, resolve_plan
     from test_flux_blocks import FP8_STEP_REL_ERR, rel_err
 
     truth = step(torch.float32, None)
     steps = {gelu: step(torch.float32, KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=gelu)) for gelu in (False, True)}
     joined = step(torch.float32, KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=True, fuse_qkv=True, fp8_norm=True))
+    plan = step(torch.float32, PLANS["fast-fp8"].resolved(fuse_decoder=False, trim_text_padding=False))
     assert torch.equal(steps[True], steps[False])
-    assert rel_err(steps[True], truth) < FP8_STEP_REL_ERR and rel_err(joined, truth) < FP8_STEP_REL_ERR
+    assert max(rel_err(s, truth) for s in (steps[True], joined, plan)) < FP8_STEP_REL_ERR
+    assert 0 < rel_err(plan, joined) < FP8_STEP_REL_ERR  # the GELU's rows scaled by a bound, not by their maximum
     for settings, layers in ((KernelSettings(fuse_residual=True, fp8=True, fuse_gelu=True), 10),
                              (PLANS["fast-fp8"].resolved(fuse_decoder=False), 7)):
         adapter = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
         report = apply_kernels(settings, adapter, None, shapes=4, device_checks=False)
         t = adapter.transformer
         assert report["fp8_blocks"] and report["fused_residual_blocks"] == len(t.blocks)
-        assert sum(isinstance(m, Fp8Linear) for m in t.modules()) == layers * len(t.blocks) and t.blocks[0].gelu_rows
+        assert report["fused_gelu_layers"] == len(t.blocks)
+        assert sum(isinstance(m, Fp8Linear) for m in t.modules()) == layers * len(t.blocks)
+        assert t.blocks[0].gelu_rows == (layers == 10) and isinstance(t.blocks[0].ff_up, Fp8GeluLinear) == (layers == 7)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    ada = tma_choice(resolve_plan("auto", {}, "pixart", "cuda", True), cuda)
+    assert not ada.settings.fuse_gelu_mm and ada.settings.fuse_gelu and "kernels.fuse_gelu_mm (it needs a GPU of " \
+        "sm90+, this one is sm89)" in ada.describe()
+    with pytest.raises(UserError, match=r"kernels.fuse_gelu_mm=true reads its operands through the tensor memory "
+                                        r"accelerator .* this GPU is sm89; set kernels.fuse_gelu_mm=false"):
+        check_kernels(replace(ada.settings, fuse_gelu_mm=True), "pixart", cuda)
     gen = torch.Generator().manual_seed(0)
     rows, update = (torch.randn(37, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
     gate, modulation = torch.randn(16, generator=gen).to(torch.bfloat16), torch.randn(2, 16, generator=gen).to(torch.bfloat16)

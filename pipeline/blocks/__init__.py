@@ -77,7 +77,8 @@ def own_blocks(settings: KernelSettings, adapter) -> dict:
         cuda = adapter.device.type == "cuda"
         triton_rows = settings.fp8 and settings.fp8_norm and cuda
         adapter.transformer = pixart.build(adapter.transformer, settings.fuse_gelu, compiled, settings.fp8,
-                                           triton_rows=triton_rows, fuse_qkv=settings.fuse_qkv).eval()
+                                           triton_rows=triton_rows, fuse_qkv=settings.fuse_qkv,
+                                           fuse_gelu_mm=settings.fuse_gelu_mm).eval()
         norm = pixart.fixed_norm.SETTING if cuda else "compiled" if compiled else "eager"
         if settings.fp8:
             rows = "Triton kernels" if triton_rows else "compiled" if compiled else "PyTorch's ops"

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 from pipeline.blocks.joint import (BlockKernels, FeedForward, JointTransformer, Modulations, activated, check_head_dim,
                                    fp8_rows, kernel_attention, modulated_norm, norm_weights, project, projections,
-                                   residual_ff)
-from pipeline.blocks.layers import Fp8Linear, GeluLinear, linear, linear_of
+                                   residual_ff, up_projection)
+from pipeline.blocks.layers import GeluLinear, linear, linear_of
 from pipeline.errors import UserError
-from pipeline.kernels import cudnn_attention, fp8_attention, fp8_gelu
+from pipeline.kernels import cudnn_attention, fp8_attention
 
 __all__ = ["FluxKernels", "FluxTransformer", "check_head_dim", "norm_weights"]
 
@@ -51,6 +51,7 @@ class FluxKernels(BlockKernels):
     fuse_qkv: bool = False
     fp8: bool = False
     fuse_gelu: bool = False
+    fuse_gelu_mm: bool = False
     split_out_proj: bool = False
     hoist_modulation: bool = False
     fuse_qk_norm: bool = False
@@ -142,15 +143,15 @@ class SingleBlock(torch.nn.Module):
         super().__init__()
         dim = block.attn.inner_dim
         self.split = kernels.split_out_proj
-        self.mlp_up = linear([block.proj_mlp], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
         weight, bias = block.proj_out.weight.detach(), block.proj_out.bias
         if self.split:  # the attention's columns with the bias, the MLP's without
             self.out_attn = linear_of(weight[:, :dim].contiguous(), bias, kernels.fp8)
             self.out_mlp = linear_of(weight[:, dim:].contiguous(), None, kernels.fp8)
-            self.gelu_rows = (kernels.fuse_gelu and isinstance(self.out_mlp, Fp8Linear)
-                              and self.out_mlp.in_features <= fp8_gelu.MAX_COLS)
+            self.mlp_up, self.gelu_rows = up_projection(block.proj_mlp, self.out_mlp, kernels.fp8, kernels.fuse_gelu,
+                                                        kernels.fuse_gelu_mm)
             rows_out = fp8_rows(self.out_attn)
         else:
+            self.mlp_up = linear([block.proj_mlp], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
             self.out = linear([block.proj_out], kernels.fp8)
             self.gelu_rows, rows_out = False, False
         self.attn = Attention(block.attn, kernels, device, rows_out=rows_out)

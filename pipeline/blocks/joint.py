@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.layers import Fp8Linear, GeluLinear, Linear, OwnTransformer, linear
+from pipeline.blocks.layers import Fp8GeluLinear, Fp8Linear, GeluLinear, Linear, OwnTransformer, linear
 from pipeline.errors import UserError
 from pipeline.kernels import attention_inputs, cudnn_attention, fp8_attention, fp8_gelu
 from pipeline.kernels.attention import FP8_ATTENTION_OP, count_call
@@ -57,6 +57,7 @@ class JointKernels(BlockKernels):
     fuse_qkv: bool = False
     fp8: bool = False
     fuse_gelu: bool = False
+    fuse_gelu_mm: bool = False
     fuse_qk_norm: bool = False
     fp8_attention: bool = False
     fp8_norm: bool = False
@@ -249,8 +250,7 @@ class FeedForward(torch.nn.Module):
     def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, kernels: BlockKernels):
         super().__init__()
         self.down = linear([down], kernels.fp8)
-        self.gelu_rows = kernels.fuse_gelu and isinstance(self.down, Fp8Linear) and down.in_features <= fp8_gelu.MAX_COLS
-        self.up = linear([up], kernels.fp8, gelu=kernels.fuse_gelu and not kernels.fp8)
+        self.up, self.gelu_rows = up_projection(up, self.down, kernels.fp8, kernels.fuse_gelu, kernels.fuse_gelu_mm)
 
     @classmethod
     def of(cls, ff: torch.nn.Module, kernels: BlockKernels) -> "FeedForward":
@@ -261,9 +261,23 @@ class FeedForward(torch.nn.Module):
         return activated(self.up, self.down, self.up(x), self.gelu_rows)
 
 
-def activated(up: torch.nn.Module, down: torch.nn.Module, h: torch.Tensor, gelu_rows: bool) -> torch.Tensor:
-    """down(tanh GELU(h)), h the up-projection's output: the GELU in the down-projection's float8
-    quantization (`gelu_rows`), already applied by the up-projection's epilogue, or here."""
+def up_projection(up: torch.nn.Linear, down: torch.nn.Module, as_fp8: bool, fuse_gelu: bool,
+                  fuse_gelu_mm: bool) -> tuple[torch.nn.Module, bool]:
+    """A tanh-GELU feed-forward's up-projection as the plan asks, given its down-projection (ours) -> (the layer,
+    whether the GELU runs in the down-projection's float8 quantization: `activated`'s gelu_rows). With
+    fuse_gelu_mm and a float8 down-projection, the up-projection writes its GELU's float8 rows itself."""
+    layer = linear([up], as_fp8, gelu=fuse_gelu and not as_fp8, gelu_rows=fuse_gelu_mm and isinstance(down, Fp8Linear))
+    gelu_rows = (fuse_gelu and isinstance(down, Fp8Linear) and not isinstance(layer, Fp8GeluLinear)
+                 and down.in_features <= fp8_gelu.MAX_COLS)
+    return layer, gelu_rows
+
+
+def activated(up: torch.nn.Module, down: torch.nn.Module, h, gelu_rows: bool) -> torch.Tensor:
+    """down(tanh GELU(h)), h the up-projection's output: the float8 rows of its GELU (an Fp8GeluLinear's),
+    the GELU in the down-projection's float8 quantization (`gelu_rows`), already applied by the
+    up-projection's epilogue, or here."""
+    if isinstance(up, Fp8GeluLinear):
+        return down(h)
     if gelu_rows:
         x8, scale = torch.ops.bcg.gelu_quantize_rows(h.reshape(-1, h.shape[-1]))
         return down.rows(x8, scale, h.shape, h.dtype)

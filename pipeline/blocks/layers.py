@@ -6,6 +6,8 @@
   activation's rows are scaled by their own absolute maxima at each call (or arrive quantized, as
   `fp8.QuantizedRows`, from a kernel that wrote them so) and one `torch._scaled_mm` multiplies them.
 - `GeluLinear`: a bf16/fp16 layer whose tanh GELU runs in cuBLASLt's matmul epilogue (CUDA).
+- `Fp8GeluLinear`: a float8 up-projection whose output is the float8 rows of its tanh GELU, for a float8
+  down-projection to multiply as they are: one Triton matmul on CUDA (pipeline.kernels.fp8_gelu_mm).
 
 `linear(layers, fp8)` makes the layer a plan asks for; a layer whose sizes float8 matmuls cannot take
 (not multiples of 16) stays a `Linear`, and reads quantized rows dequantized.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.kernels import fp8
+from pipeline.kernels import fp8, fp8_gelu_mm
 from pipeline.kernels.fp8 import QuantizedRows
 
 Activation = "torch.Tensor | QuantizedRows"
@@ -117,22 +119,39 @@ class Fp8Linear(torch.nn.Module):
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
+class Fp8GeluLinear(Fp8Linear):
+    """tanh GELU(x W^T + b) of a float8 layer, as float8 rows (`QuantizedRows`) scaled by a bound the input's
+    scale gives (pipeline.kernels.fp8_gelu_mm): the down-projection's input, never a bf16 tensor."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, bias)
+        self.register_buffer("gelu_bounds", fp8_gelu_mm.bounds(self.weight8, self.weight_scale, self.bias))
+
+    def forward(self, x: Activation) -> QuantizedRows:
+        x8, scale = self.quantized(x)
+        q, out_scale = torch.ops.bcg.gelu_mm_rows(x8.reshape(-1, x8.shape[-1]), scale, self.weight8,
+                                                  self.weight_scale, self.bias, self.gelu_bounds)
+        return QuantizedRows(q.view(*x8.shape[:-1], q.shape[-1]), out_scale, x.dtype)
+
+
 def fp8_sized(weight: torch.Tensor) -> bool:
     """Whether float8 matmuls take this weight's sizes (torch._scaled_mm: K and N multiples of 16)."""
     return weight.shape[0] % fp8.ALIGN == 0 and weight.shape[1] % fp8.ALIGN == 0
 
 
-def linear(layers: list[torch.nn.Linear], as_fp8: bool = False, gelu: bool = False) -> torch.nn.Module:
+def linear(layers: list[torch.nn.Linear], as_fp8: bool = False, gelu: bool = False,
+           gelu_rows: bool = False) -> torch.nn.Module:
     """One layer of the given diffusers layers (several: joined along their outputs): float8 where
-    `as_fp8` and its sizes allow, a GELU epilogue with `gelu` (bf16/fp16 only), else as it is."""
-    return linear_of(*_joined(layers), as_fp8, gelu)
+    `as_fp8` and its sizes allow (with `gelu_rows`, writing its GELU's float8 rows), a GELU epilogue
+    with `gelu` (bf16/fp16 only), else as it is."""
+    return linear_of(*_joined(layers), as_fp8, gelu, gelu_rows)
 
 
 def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, as_fp8: bool = False,
-              gelu: bool = False) -> torch.nn.Module:
+              gelu: bool = False, gelu_rows: bool = False) -> torch.nn.Module:
     """`linear`'s layer of this weight [N, K] and bias [N] (or None)."""
     if as_fp8 and fp8_sized(weight):
-        return Fp8Linear(weight, bias)
+        return Fp8GeluLinear(weight, bias) if gelu_rows else Fp8Linear(weight, bias)
     if gelu:
         return GeluLinear(weight, bias)
     return Linear(weight, bias)

@@ -350,17 +350,18 @@ class PixArtTransformer(OwnTransformer):
 
 
 def build(source: torch.nn.Module, fuse_gelu: bool, compiled: dict | None, fp8: bool = False,
-          triton_rows: bool = False, fuse_qkv: bool = False) -> PixArtTransformer:
+          triton_rows: bool = False, fuse_qkv: bool = False, fuse_gelu_mm: bool = False) -> PixArtTransformer:
     """The fused-residual transformer of this diffusers PixArt transformer (`fp8`: its float8 blocks,
     pipeline.blocks.pixart_fp8, their row functions as Triton kernels with `triton_rows`, their q|k|v
     joined with `fuse_qkv`), its norm and constants (and float8 row functions) plain (`compiled`
     None) or compiled (compile_scope=norms: `compiled` has compiled_functions' keywords but the device).
-    `fuse_gelu`: the GELU in the up-projection's epilogue, or under fp8 in the down-projection's quantization."""
+    `fuse_gelu`: the GELU in the up-projection's epilogue, or under fp8 in the down-projection's quantization
+    (`fuse_gelu_mm`: in the up-projection's float8 matmul, which writes the down-projection's rows)."""
     device = source.device
     if fp8:
         from pipeline.blocks import pixart_fp8
 
         return pixart_fp8.Fp8PixArtTransformer(source, fuse_gelu, norm_kernel(device),
-                                               pixart_fp8.row_functions(compiled, triton_rows), fuse_qkv)
+                                               pixart_fp8.row_functions(compiled, triton_rows), fuse_qkv, fuse_gelu_mm)
     norm, constants = (norm_kernel(device), step_constants) if compiled is None else compiled_functions(device, **compiled)
     return PixArtTransformer(source, fuse_gelu, norm, constants)

@@ -16,7 +16,8 @@ What `kernels=fast` fuses, and how it stays fused here:
   multiply in that kernel, so nothing is folded into a weight per step and no bias is carried: the
   float8 weights are quantized once, when the blocks are built.
 - The GELU: in the down-projection's float8 quantization, one Triton kernel (kernels.fuse_gelu,
-  pipeline.kernels.fp8_gelu), as in Flux's and SD3's float8 blocks.
+  pipeline.kernels.fp8_gelu), as in Flux's and SD3's float8 blocks; with kernels.fuse_gelu_mm in the
+  up-projection's own float8 matmul, which writes the down-projection's rows (pipeline.kernels.fp8_gelu_mm).
 - The layer norms: each writes float8 rows (its only readers are float8 layers) in the kernel above.
 - With kernels.fuse_qkv, the self-attention's q|k|v projections are one float8 matmul and the
   cross-attention's k|v another (the attention reads views of their outputs).
@@ -38,11 +39,11 @@ from typing import Callable
 
 import torch
 
-from pipeline.blocks.joint import activated
-from pipeline.blocks.layers import Fp8Linear, linear
+from pipeline.blocks.joint import activated, up_projection
+from pipeline.blocks.layers import Fp8GeluLinear, linear
 from pipeline.blocks.pixart import PixArtTransformer, attention_rows, compiled_rows, modulations
 from pipeline.errors import UserError
-from pipeline.kernels import fp8, fp8_gelu, residual_rows
+from pipeline.kernels import fp8, residual_rows
 from pipeline.kernels.fp8 import QuantizedRows
 from pipeline.kernels.residual_rows import RowFunctions
 
@@ -87,7 +88,8 @@ class Fp8ResidualBlock(torch.nn.Module):
     """diffusers' PixArt BasicTransformerBlock with float8 layers, whose residual adds are done by the
     kernels that read the stream next (see the module's docstring)."""
 
-    def __init__(self, block: torch.nn.Module, index: int, fuse_gelu: bool, fuse_qkv: bool = False):
+    def __init__(self, block: torch.nn.Module, index: int, fuse_gelu: bool, fuse_qkv: bool = False,
+                 fuse_gelu_mm: bool = False):
         super().__init__()
         from diffusers.models.activations import GELU
 
@@ -102,14 +104,13 @@ class Fp8ResidualBlock(torch.nn.Module):
         # fuse_qkv: the self-attention's q|k|v one matmul, the cross-attention's k|v another
         self.qkv1, self.kv2 = (projections(layers, fuse_qkv) for layers in ((a1.to_q, a1.to_k, a1.to_v), (a2.to_k, a2.to_v)))
         self.out1, self.q2, self.out2 = (linear([m], True) for m in (a1.to_out[0], a2.to_q, a2.to_out[0]))
-        self.ff_up, self.ff_down = linear([up.proj], True), linear([block.ff.net[2]], True)
-        self.gelu_rows = (fuse_gelu and isinstance(self.ff_down, Fp8Linear)
-                          and self.ff_down.in_features <= fp8_gelu.MAX_COLS)
+        self.ff_down = linear([block.ff.net[2]], True)
+        self.ff_up, self.gelu_rows = up_projection(up.proj, self.ff_down, True, fuse_gelu, fuse_gelu_mm)
 
     @property
     def fused_gelu(self) -> bool:
-        """The GELU in the down-projection's float8 quantization."""
-        return self.gelu_rows
+        """The GELU in the down-projection's float8 quantization or in the up-projection's matmul."""
+        return self.gelu_rows or isinstance(self.ff_up, Fp8GeluLinear)
 
     def forward(self, h: torch.Tensor, update: torch.Tensor | None, gate: torch.Tensor | None,
                 context: QuantizedRows, mask: torch.Tensor | None, m: Modulations,
@@ -146,9 +147,10 @@ class Fp8PixArtTransformer(PixArtTransformer):
     (`norm`: on CUDA the fixed Triton kernel)."""
 
     def __init__(self, source: torch.nn.Module, fuse_gelu: bool, norm: Callable, rows: RowFunctions,
-                 fuse_qkv: bool = False):
+                 fuse_qkv: bool = False, fuse_gelu_mm: bool = False):
         super().__init__(source, fuse_gelu, norm, modulations,
-                         make_block=lambda block, index, gelu: Fp8ResidualBlock(block, index, gelu, fuse_qkv))
+                         make_block=lambda block, index, gelu: Fp8ResidualBlock(block, index, gelu, fuse_qkv,
+                                                                                fuse_gelu_mm))
         self.rows = rows
 
     def register_stack(self, blocks: list[torch.nn.Module]) -> None:

@@ -6,7 +6,8 @@ for what diffusers' modules do not compute, the transformer is replaced by the p
 
 - attention: the SDPA backend (or flash-attn's processor) and `probe`, which observes what ran
 - attention_inputs, fp8_attention: Flux's queries' and keys' norms and rotation, and its float8 attention
-- fp8, fp8_gelu, fp8_norm: float8 numerics, the GELU and the modulated norms writing float8 rows
+- fp8, fp8_gelu, fp8_norm: float8 numerics, the GELU and the modulated norms writing float8 rows;
+  fp8_gelu_mm: the up-projection, its GELU and their float8 rows as one matmul
 - norm: PixArt's fixed Triton layer norm (its own blocks, kernels.fuse_residual); residual_rows: its
   float8 blocks' residual adds, norms and quantizations
 - qkv: diffusers' fused projections (PixArt); joined: SD3's joint attention's projections written into one
@@ -30,19 +31,19 @@ from typing import Callable
 import torch
 
 from pipeline.errors import UserError
-from pipeline.kernels import (attention, compile, cudnn_attention, decoder, fp8, fp8_attention, fp8_gelu, fp8_norm, norm,
-                              qkv, text)
+from pipeline.kernels import (attention, compile, cudnn_attention, decoder, fp8, fp8_attention, fp8_gelu, fp8_gelu_mm,
+                              fp8_norm, norm, qkv, text)
 from pipeline.kernels import group_norm, precompile, residual_rows
 from pipeline.kernels import attention_inputs
 from pipeline.kernels.attention import SDPA, with_attention
 from pipeline.kernels.compile import (CONTIGUOUS_HOOK, compile_cache, compile_stats, process_settings,
                                      start_compile_workers)
 from pipeline.kernels.decoder import compile_vae_decoder, decode_in_chunks
-from pipeline.plans import AUTO, FP8_ATTENTION_KERNELS, KernelSettings
+from pipeline.plans import AUTO, FP8_ATTENTION_KERNELS, KernelSettings, ResolvedPlan
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
-    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "process_settings", "start_compile_workers",
+    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "tma_choice", "process_settings", "start_compile_workers",
     "with_attention",
 ]
 
@@ -70,7 +71,7 @@ FUSE_RESIDUAL_BF16 = Option("fuse_residual=true", lambda k: k.fuse_residual and 
 FP8, TRIM_TEXT, COMPILE = switch("fp8"), switch("trim_text_padding"), switch("compile")
 SPLIT_OUT_PROJ, HOIST_MODULATION = switch("split_out_proj"), switch("hoist_modulation")
 PERSISTENT, FP8_ATTENTION = switch("persistent_reductions"), switch("fp8_attention")
-FUSE_QK_NORM, FP8_NORM = switch("fuse_qk_norm"), switch("fp8_norm")
+FUSE_QK_NORM, FP8_NORM, FUSE_GELU_MM = switch("fuse_qk_norm"), switch("fp8_norm"), switch("fuse_gelu_mm")
 FUSE_DECODER, COMPILE_DECODER = switch("fuse_decoder"), switch("compile_decoder")
 NORMS = Option("compile_scope=norms", lambda k: k.compile and k.compile_scope == "norms",
                "kernels.compile_scope=blocks (or model)")
@@ -96,6 +97,8 @@ SUPPORTED_FAMILIES: dict[Option, tuple[tuple[str, ...], str]] = {
                                      "this model is {family!r}"),
     FUSE_GELU: (("pixart", "sd3", "flux"), "its GELU runs in the feed-forwards of the own blocks of model families "
                                            "{families}; this model is {family!r}"),
+    FUSE_GELU_MM: (("pixart", "sd3", "flux"), "its matmul is the feed-forwards' of the own float8 blocks of model "
+                                              "families {families}; this model is {family!r}"),
 }
 
 # (option, family) -> (the option it needs for that family, why)
@@ -123,6 +126,8 @@ REQUIRES: tuple[tuple[tuple[Option, ...], Option, str], ...] = (
     ((NORMS,), FUSE_RESIDUAL, "it compiles what kernels.fuse_residual's block leaves to fuse"),
     ((PERSISTENT,), COMPILE, "it chooses how inductor compiles the transformer's reductions"),
     ((FP8_NORM,), FP8, "it writes the norms' outputs as the float8 layers' quantized rows"),
+    ((FUSE_GELU_MM,), FP8, "it is a float8 matmul"),
+    ((FUSE_GELU_MM,), FUSE_GELU, "it is where kernels.fuse_gelu puts the GELU"),
     ((FUSE_RESIDUAL, COMPILE), NORMS, "the block adds into its input in place, which compile_scope={compile_scope} "
                                       "would trace; compile_scope=norms compiles what is left to fuse (the per-step "
                                       "constants, and off CUDA the layer norms), once"),
@@ -143,14 +148,19 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
                         f"of {list(FP8_ATTENTION_KERNELS)}")
     if device is None:
         return
-    for option in (FP8, FP8_ATTENTION, FP8_NORM):
+    for option in (FP8, FP8_ATTENTION, FP8_NORM, FUSE_GELU_MM):
         if option.on(kernels):
             fp8.check_fp8(device, f"kernels.{option.key}")
+    if FUSE_GELU_MM.on(kernels) and torch.cuda.get_device_capability(device) < (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UserError(f"kernels.fuse_gelu_mm=true reads its operands through the tensor memory accelerator of "
+                        f"Hopper and later GPUs (sm90+), this GPU is sm{major}{minor}; set {FUSE_GELU_MM.off}")
     if torch.device(device).type == "cuda":
         for option, what in ((FUSE_RESIDUAL, "runs its layer norm"), (FP8_NORM, "runs the modulated norms writing float8 rows"),
                              (FUSE_QK_NORM, "normalizes and rotates the queries and keys"),
                              (FP8_ATTENTION, "computes the attention"),
                              (FUSE_DECODER, "runs the VAE decoder's group norms"),
+                             (FUSE_GELU_MM, "runs the up-projection and its GELU"),
                              (FUSE_GELU, "runs the GELU and its float8 quantization") if kernels.fp8 else (None, "")):
             if option is not None and option.on(kernels):
                 norm.check_triton(f"kernels.{option.key} {what}", option.off)
@@ -208,6 +218,18 @@ def family_refusal(kernels: KernelSettings, family: str) -> str | None:
     return f"{reasons}; set {' '.join(fixes)}"
 
 
+def tma_choice(plan: ResolvedPlan, device: torch.device) -> ResolvedPlan:
+    """A plan's kernels.fuse_gelu_mm goes off on a float8 GPU below sm90, whose matmuls have no tensor memory
+    accelerator to read by (the log's plan line and stats.json's kernels.off_with say so; the GELU then runs in
+    the down-projection's quantization); given by the command there, check() refuses it."""
+    if (not plan.settings.fuse_gelu_mm or "fuse_gelu_mm" in plan.overrides or torch.device(device).type != "cuda"
+            or torch.cuda.get_device_capability(device) >= (9, 0)):
+        return plan
+    major, minor = torch.cuda.get_device_capability(device)
+    return replace(plan, settings=replace(plan.settings, fuse_gelu_mm=False),
+                   off_with={**plan.off_with, "fuse_gelu_mm": f"a GPU of sm90+, this one is sm{major}{minor}"})
+
+
 def fp8_attention_choice(kernels: KernelSettings, device: torch.device | None) -> KernelSettings:
     """kernels.fp8_attention_kernel for this device (None: not known, left as it is): auto is cuDNN's where
     it runs (cudnn_attention.unavailable), else the Triton kernel, said once in the log and recorded in
@@ -250,6 +272,8 @@ def output_kernels(kernels: KernelSettings) -> dict:
         out.update(fuse_qk_norm=True, qk_norm=attention_inputs.SETTING)
     if kernels.fp8 and kernels.fuse_gelu:  # its kernel's block sizes set a row's reduction
         out["fp8_gelu"] = fp8_gelu.SETTING
+    if kernels.fuse_gelu_mm:  # its matmul's tiling sets the order of a value's sums, its bound the rows' scales
+        out["fp8_gelu_mm"] = fp8_gelu_mm.SETTING
     if kernels.fp8_norm:  # likewise
         out["fp8_norm"] = fp8_norm.SETTING
     if kernels.compile:

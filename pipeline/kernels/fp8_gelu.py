@@ -23,7 +23,6 @@ its own out-projection. The CPU runs the torch ops it replaces (`reference`), wh
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -59,15 +58,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    round_to, store_float8 = rounding.round_to(), rounding.store_float8()
-    exp_linear = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e))
-    exp_cubic = tl.constexpr(exp_linear * 0.044715)
-
-    @triton.jit
-    def approx(x, OP: tl.constexpr):
-        """The GPU's approximate 2^x or 1/x (flush to zero), one instruction."""
-        return tl.inline_asm_elementwise(OP + ".approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+    round_to, store_float8, tanh_gelu = rounding.round_to(), rounding.store_float8(), rounding.tanh_gelu()
 
     @triton.jit
     def gelu_rounded(ptr, cols, ok, MASKED: tl.constexpr):
@@ -76,10 +67,7 @@ def _kernel():
             x = tl.load(ptr + cols, mask=ok, other=0.0).to(tl.float32)
         else:
             x = tl.load(ptr + cols).to(tl.float32)
-        # e^(-2u) as 2^(x (a + b x^2)), u = sqrt(2/pi) (x + 0.044715 x^3); it overflows to inf: y = 0
-        e = approx(x * (exp_linear + exp_cubic * (x * x)), "ex2")
-        y = x * approx(1.0 + e, "rcp")  # x sigmoid(2u)
-        return round_to(y, ptr.dtype.element_ty)
+        return round_to(tanh_gelu(x), ptr.dtype.element_ty)
 
     @triton.jit
     def gelu_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, fp8_max, min_amax, HEAD: tl.constexpr,

@@ -136,3 +136,37 @@ def store_float8():
         tl.store(QS + scale_at, scale, mask=scale_ok)
 
     return store_float8
+
+
+@functools.cache
+def tanh_gelu():
+    """-> the jitted tanh_gelu(x): tanh GELU of float32 x as x / (1 + exp(-2u)) (0.5 x (1 + tanh u) rewritten,
+    without its cancellation where x < 0), u = sqrt(2/pi) (x + 0.044715 x^3), by the GPU's approximate 2^x and
+    reciprocal, one instruction each (flush to zero), the exponent's constants folded into its polynomial;
+    e^(-2u) overflows to inf where x is very negative: the GELU is then -0. Triton's interpreter (no PTX) gets
+    torch's formula."""
+    import math
+
+    import triton
+    import triton.language as tl
+
+    exp_linear = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e))
+    exp_cubic = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e) * 0.044715)
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        @triton.jit
+        def plain(x):
+            return x / (1.0 + tl.exp2(x * (exp_linear + exp_cubic * (x * x))))
+
+        return plain
+
+    @triton.jit
+    def approx(x, OP: tl.constexpr):
+        return tl.inline_asm_elementwise(OP + ".approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def tanh_gelu(x):
+        return x * approx(1.0 + approx(x * (exp_linear + exp_cubic * (x * x)), "ex2"), "rcp")
+
+    return tanh_gelu
