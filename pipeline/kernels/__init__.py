@@ -43,8 +43,8 @@ from pipeline.plans import AUTO, FP8_ATTENTION_KERNELS, KernelSettings, Resolved
 
 __all__ = [
     "CONTIGUOUS_HOOK", "SDPA", "apply_kernels", "check_kernels", "compile_cache", "compile_stats", "compile_vae_decoder",
-    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "tma_choice", "process_settings", "start_compile_workers",
-    "with_attention",
+    "decode_in_chunks", "fp8_attention_choice", "output_kernels", "process_settings", "start_compile_workers",
+    "tma_choice", "with_attention",
 ]
 
 

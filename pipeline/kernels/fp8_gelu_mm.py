@@ -142,10 +142,12 @@ def _kernel():
 
 
 def triton_gelu_mm(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, bound: torch.Tensor, config: Config = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+                   bias: torch.Tensor | None, bound: torch.Tensor,
+                   config: Config = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on CUDA tensors: x8 [M, K] row-major float8, x_scale [M, 1], weight8 [N, K] row-major,
     weight_scale [1, N], bias [N] or None, `bounds`' constants -> (float8 [M, N], scales [M, 1]); `config`: the
     fixed tiling (a benchmark's to vary)."""
+    import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if x8.data_ptr() % 16 or x8.stride() != (x8.shape[1], 1):  # TMA reads 16-byte aligned rows
@@ -160,14 +162,10 @@ def triton_gelu_mm(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tenso
     a_desc = TensorDescriptor.from_tensor(x8, [config.block_m, config.block_k])
     b_desc = TensorDescriptor.from_tensor(weight8, [config.block_n, config.block_k])
     c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n])
-    grid = (triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n),)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     with torch.cuda.device(x8.device):
         _kernel()[grid](a_desc, b_desc, c_desc, x_scale, weight_scale, bias if bias is not None else weight_scale,
                         bound, scale, m, n, K=k, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
                         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
                         num_warps=config.warps, num_stages=config.stages)
     return out, scale
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
