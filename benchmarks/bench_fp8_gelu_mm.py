@@ -65,17 +65,17 @@ def main() -> None:
         exact = F.gelu((x8.float() @ w8.float().t()) * xs * ws + bias.float(), approximate="tanh")
         tflop = 2 * m * k * n / 1e12
 
-        def cublas_rows():
-            h = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16,
-                                 use_fast_accum=True)
-            return fp8_gelu._triton_gelu_quantize(h)
+        def cublas():
+            return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
 
-        candidates = {"cuBLAS bf16 out only": lambda: (torch._scaled_mm(
-            x8, w8.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True), None),
-            "cuBLAS + GELU rows": cublas_rows}
-        for c in CONFIGS:
-            candidates["fused {}x{}x{} w{} s{} g{}".format(*c)] = (
-                lambda c=c: fp8_gelu_mm.triton_gelu_mm(x8, xs, w8, ws, bias, b, c))
+        def fused(c: Config):
+            return fp8_gelu_mm.triton_gelu_mm(x8, xs, w8, ws, bias, b, c)
+
+        tilings = {"fused {}x{}x{} w{} s{} g{}".format(*c): c for c in CONFIGS}
+        candidates = {"cuBLAS bf16 out only": lambda: (cublas(), None),
+                      "cuBLAS + GELU rows": lambda: fp8_gelu._triton_gelu_quantize(cublas()),
+                      **{name: lambda c=c: fused(c) for name, c in tilings.items()}}
 
         def measure(out, ms):
             q, scale = out
@@ -86,10 +86,8 @@ def main() -> None:
 
         rows = time_kernels(candidates, {"M": m, "K": k, "N": n}, device, args.iters, measure)
         for row in rows:
-            if row["kernel"].startswith("fused") and "error" not in row:
-                c = next(c for c in CONFIGS if "fused {}x{}x{} w{} s{} g{}".format(*c) == row["kernel"])
-                first = fp8_gelu_mm.triton_gelu_mm(x8, xs, w8, ws, bias, b, c)
-                again = fp8_gelu_mm.triton_gelu_mm(x8, xs, w8, ws, bias, b, c)
+            if row["kernel"] in tilings and "error" not in row:
+                first, again = fused(tilings[row["kernel"]]), fused(tilings[row["kernel"]])
                 row["same_bytes"] = bool(torch.equal(first[0].view(torch.uint8), again[0].view(torch.uint8))
                                          and torch.equal(first[1], again[1]))
         results += rows

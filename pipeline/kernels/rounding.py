@@ -144,7 +144,7 @@ def tanh_gelu():
     without its cancellation where x < 0), u = sqrt(2/pi) (x + 0.044715 x^3), by the GPU's approximate 2^x and
     reciprocal, one instruction each (flush to zero), the exponent's constants folded into its polynomial;
     e^(-2u) overflows to inf where x is very negative: the GELU is then -0. Triton's interpreter (no PTX) gets
-    torch's formula."""
+    the same formula by tl.exp2 and a division."""
     import math
 
     import triton
