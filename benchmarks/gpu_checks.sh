@@ -83,6 +83,7 @@
 #                                                # (PROFILE_MANIFEST=path, PROFILE_LADDER="[16]": other rows, batches)
 #   bash benchmarks/gpu_checks.sh sweep          # PixArt-Sigma, 60 rows: one job, then a 3-job one-process sweep over
 #                                                # bcg/ladder (the later jobs keep the model), on one warm per-user cache
+#                                                # (SWEEP_ROWS=16: its first 16 rows, a job its fixed costs dominate)
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -361,7 +362,12 @@ print('  plan', k['plan'], 'ms per image', p.get('ms_per_image')); [print('   ',
 }
 
 sweep() {
-  local cache=/tmp/sweep-cache start rows=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet)
+  local cache=/tmp/sweep-cache start manifest=jobs/manifests/bench_tiny.parquet rows
+  if [ -n "${SWEEP_ROWS:-}" ]; then  # a smaller job: the manifest's first SWEEP_ROWS rows
+    python3 -c "import sys, pyarrow.parquet as pq; pq.write_table(pq.read_table(sys.argv[1]).slice(0, int(sys.argv[2])), sys.argv[3])" $manifest $SWEEP_ROWS /tmp/sweep-rows.parquet
+    manifest=/tmp/sweep-rows.parquet
+  fi
+  rows=(+job=bench bench.baseline=false manifest.path=$manifest)
   rm -rf $cache /tmp/bench-sweep
   one_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
   one_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
