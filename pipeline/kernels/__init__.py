@@ -151,10 +151,9 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
     for option in (FP8, FP8_ATTENTION, FP8_NORM, FUSE_GELU_MM):
         if option.on(kernels):
             fp8.check_fp8(device, f"kernels.{option.key}")
-    if FUSE_GELU_MM.on(kernels) and torch.cuda.get_device_capability(device) < (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
+    if FUSE_GELU_MM.on(kernels) and (arch := without_tma(device)):
         raise UserError(f"kernels.fuse_gelu_mm=true reads its operands through the tensor memory accelerator of "
-                        f"Hopper and later GPUs (sm90+), this GPU is sm{major}{minor}; set {FUSE_GELU_MM.off}")
+                        f"Hopper and later GPUs (sm90+), this GPU is {arch}; set {FUSE_GELU_MM.off}")
     if torch.device(device).type == "cuda":
         for option, what in ((FUSE_RESIDUAL, "runs its layer norm"), (FP8_NORM, "runs the modulated norms writing float8 rows"),
                              (FUSE_QK_NORM, "normalizes and rotates the queries and keys"),
@@ -222,12 +221,20 @@ def tma_choice(plan: ResolvedPlan, device: torch.device) -> ResolvedPlan:
     """A plan's kernels.fuse_gelu_mm goes off on a float8 GPU below sm90, whose matmuls have no tensor memory
     accelerator to read by (the log's plan line and stats.json's kernels.off_with say so; the GELU then runs in
     the down-projection's quantization); given by the command there, check() refuses it."""
-    if (not plan.settings.fuse_gelu_mm or "fuse_gelu_mm" in plan.overrides or torch.device(device).type != "cuda"
-            or torch.cuda.get_device_capability(device) >= (9, 0)):
+    arch = without_tma(device)
+    if not plan.settings.fuse_gelu_mm or "fuse_gelu_mm" in plan.overrides or arch is None:
         return plan
-    major, minor = torch.cuda.get_device_capability(device)
     return replace(plan, settings=replace(plan.settings, fuse_gelu_mm=False),
-                   off_with={**plan.off_with, "fuse_gelu_mm": f"a GPU of sm90+, this one is sm{major}{minor}"})
+                   off_with={**plan.off_with, "fuse_gelu_mm": f"a GPU of sm90+, this one is {arch}"})
+
+
+def without_tma(device: torch.device) -> str | None:
+    """A CUDA device's architecture ("sm89") where it has no tensor memory accelerator (below sm90); None
+    for sm90 and later, and off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}" if (major, minor) < (9, 0) else None
 
 
 def fp8_attention_choice(kernels: KernelSettings, device: torch.device | None) -> KernelSettings:

@@ -150,8 +150,8 @@ def tanh_gelu():
     import triton
     import triton.language as tl
 
-    exp_linear = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e))
-    exp_cubic = tl.constexpr(-2 * math.sqrt(2 / math.pi) * math.log2(math.e) * 0.044715)
+    linear = -2 * math.sqrt(2 / math.pi) * math.log2(math.e)  # e^(-2u) = 2^(x (linear + linear 0.044715 x^2))
+    exp_linear, exp_cubic = tl.constexpr(linear), tl.constexpr(linear * 0.044715)
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         @triton.jit
