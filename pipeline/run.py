@@ -58,8 +58,10 @@ CONFIG_NAME = "config"
 WRITE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
-def main() -> None:
-    """The console command: check, then run Hydra; user errors and an early Ctrl-C in one line."""
+def main(process_exits: bool = False) -> None:
+    """Check, then run Hydra; user errors and an early Ctrl-C in one line. A one-process sweep's kept
+    model goes at the end (its memory, dynamo's code for it), so that an in-process caller goes on as
+    before the sweep; `process_exits` (the console command, `cli`) leaves it to the process's exit."""
     restore = interrupts_remembered()
     try:
         preflight(sys.argv[1:])
@@ -70,8 +72,15 @@ def main() -> None:
     except KeyboardInterrupt:
         stopped_by_ctrl_c()
     finally:
-        SWEEP_MODEL.drop()  # the sweep is over: its model and dynamo's code for it go
+        if not process_exits:  # the sweep is over: its model and dynamo's code for it go
+            SWEEP_MODEL.drop()
         restore()
+
+
+def cli() -> None:
+    """`bcg-datagen` and `python -m pipeline.run`: `main`, then the process exits, which frees a sweep's
+    kept model at once (dropping it first would collect and release memory for nothing)."""
+    main(process_exits=True)
 
 
 def preflight(argv: list[str]) -> None:
@@ -179,4 +188,4 @@ def user_outcome(err: Exception) -> tuple[ExitCode, str] | None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()
