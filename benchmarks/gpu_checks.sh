@@ -103,6 +103,8 @@ rc() { echo "rc=$1"; [ "$1" -eq 0 ] || fail=1; }  # print a step's exit code; re
 bench_summary() { echo "== $1"; rc $2; grep -A10 "^| system" "$3" | cut -c1-400; tail_if_failed $2 "$3"; }
 # tail_if_failed RC LOG: the last lines of a failed step's log
 tail_if_failed() { [ $1 -ne 0 ] && tail -4 "$2" | cut -c1-300; true; }
+# since START (a `date +%s.%N` reading): the seconds to a tenth, as a process's wall time is compared between steps
+since() { awk -v start="$1" -v end="$(date +%s.%N)" 'BEGIN { printf "%.1f", end - start }'; }
 # stats_summary LABEL STATS_JSON: a job's images/s, warm-up, wall time, GPU busy and kernels (compile figures included)
 stats_summary() { [ -f "$2" ] && python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[2]); print(sys.argv[1], 'generate img/s', s.images_per_s, 'stage_s', s.stage_s, 'warmup_s', s.bcg.warmup_s, 'wall_s', s.wall_s, 'gpu_busy', s.gpu_busy and s.gpu_busy.fraction, 'kernels', s.kernels)" "$1" "$2"; true; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$BENCH_OUT/gpu.txt"
@@ -321,11 +323,11 @@ cache_200() {
 # one_job NAME BCG_CACHE_DIR JOB-ARGS...: one job in a process of its own, on that per-user kernel cache, into
 # /tmp/bench-NAME; its table, start-up stages and decoder figures, its log and JSON under $BENCH_OUT
 one_job() {
-  local name=$1 cache=$2 code start=$SECONDS; shift 2
+  local name=$1 cache=$2 code start; start=$(date +%s.%N); shift 2
   rm -rf /tmp/bench-$name
   BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
   cp /tmp/bench-$name/stats.json "$BENCH_OUT/${name}_stats.json" 2>/dev/null; cp /tmp/bench-$name/bench.json "$BENCH_OUT/${name}_bench.json" 2>/dev/null
-  bench_summary "$name: the process took $((SECONDS - start)) s" $code "$BENCH_OUT/$name.log"
+  bench_summary "$name: the process took $(since $start) s" $code "$BENCH_OUT/$name.log"
   python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
 }
 
@@ -371,9 +373,9 @@ sweep() {
   rm -rf $cache /tmp/bench-sweep
   one_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
   one_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
-  start=$SECONDS
+  start=$(date +%s.%N)
   BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run -m "${rows[@]}" bcg/ladder=pow2_8,pow2_16,one_8 hydra.sweep.dir=/tmp/bench-sweep > "$BENCH_OUT/sweep.log" 2>&1; local code=$?
-  echo "== sweep of 3 jobs: the process took $((SECONDS - start)) s"; rc $code; tail_if_failed $code "$BENCH_OUT/sweep.log"
+  echo "== sweep of 3 jobs: the process took $(since $start) s"; rc $code; tail_if_failed $code "$BENCH_OUT/sweep.log"
   grep -E "^\|" /tmp/bench-sweep/summary.md 2>/dev/null | cut -c1-200
 }
 
