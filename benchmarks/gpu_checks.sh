@@ -83,7 +83,7 @@
 #                                                # (PROFILE_MANIFEST=path, PROFILE_LADDER="[16]": other rows, batches)
 #   bash benchmarks/gpu_checks.sh sweep          # PixArt-Sigma, 60 rows: one job, then a 3-job one-process sweep over
 #                                                # bcg/ladder (the later jobs keep the model), on one warm per-user cache
-#                                                # (SWEEP_ROWS=16: its first 16 rows, a job whose fixed costs dominate)
+#                                                # (SWEEP_ROWS=8: its first 8 rows, a job whose fixed costs dominate)
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
