@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -234,7 +233,10 @@ def dirname(text: str) -> str:
 
 def register_configs() -> None:
     """The schema and the resolvers that conf/ uses (`${asset:...}`, `${output_dir_or:...}`,
-    `${dirname:...}`, `${exit_codes:}` in the help text)."""
+    `${dirname:...}`, `${exit_codes:}` in the help text). Hydra is imported here, not with the
+    module: a job's process that only reads the typed config does not load it."""
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     OmegaConf.register_new_resolver("asset", asset, replace=True)
     OmegaConf.register_new_resolver("output_dir_or", output_dir_or, replace=True)

@@ -206,13 +206,14 @@ def test_the_compiled_layer_norm_is_one_kernel_whatever_row_count_comes_first(tm
     assert generated[0] and generated[0] == generated[1]
 
 
-def test_a_job_imports_no_scikit_learn():
+def test_a_job_imports_no_scikit_learn_and_its_module_no_hydra():
     """scikit-learn is the demo model's training data and the digits test's classifier, never a job's:
     every module imported at start is paid for by every process (with it, transformers' losses pull in
-    scipy too)."""
-    probe = run_python("-c", "import sys, pipeline.job, pipeline.bench, pipeline.run; print('sklearn' in sys.modules)")
+    scipy too). The job's module reads the typed config only: Hydra is the command line's."""
+    probe = run_python("-c", "import sys, pipeline.job; print('hydra' in sys.modules); "
+                             "import pipeline.bench, pipeline.run; print('sklearn' in sys.modules)")
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.split() == ["False"]
+    assert probe.stdout.split() == ["False", "False"]
 
 
 # the project's own blocks, compiled by regions and saved whole: SD3's; Flux's, whose modulations are views
