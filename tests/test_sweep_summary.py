@@ -177,6 +177,8 @@ def test_cli_sweep_of_three_ladders_on_a_cpu_says_graphs_off_same_plan_within_no
         assert (job / "_SUCCESS").is_file() and (job / ".hydra/overrides.yaml").is_file() and stats["ladder"] == ladder
         assert stats["per_resolution"] == {"64x64": 8, "96x64": 1} and len(list((job / "images").iterdir())) == 9
         assert {r["batch_key"] for r in pq.read_table(job / "shards").to_pylist()} == {"64x64-000000-b8", "96x64-000000-b1"}
+        # each job's log whole: the console command's exit (objects frozen, no final cycle walk) flushed it
+        assert "summary: 9 done" in (job / "run.log").read_text().splitlines()[-1]
     table = read_csv(sweep / "summary.csv")
     assert {(r["best"], r["plan"], r["graphs"]) for r in table} == {(TIED, "A", "off")} and len(table) == 3
     notes = (sweep / "summary.md").read_text().split("\n\n", 1)[1]
