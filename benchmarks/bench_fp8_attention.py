@@ -11,6 +11,11 @@ On the GPU, from the repository root:
 
     python benchmarks/bench_fp8_attention.py --out outputs/benchmarks/bench_fp8_attention.json
     python benchmarks/bench_fp8_attention.py --heads 38 --dim 64 --shapes 2:4429 --no-projections  # SD3.5 Large, CFG
+    python benchmarks/bench_fp8_attention.py --heads 24 --dim 64 --shapes 2:4429 16:4429 --bf16-plans
+
+`--bf16-plans`: bf16 only, torch's SDPA backends against each execution plan cuDNN offers for the same
+bf16 SDPA (the cudnn-frontend package's graph, heuristics A, B and fallback, every plan built): whether
+another engine or knob beats the one torch's cuDNN backend runs, and whether it writes the same bytes.
 
 Inputs are [B, S, H, D] bf16 (diffusers' layout): queries and keys RMS-normalized per head as Flux's
 are, values N(0, 1). Per shape and kernel: median ms over `--iters` calls on CUDA events, TFLOP/s
@@ -134,6 +139,40 @@ def _ordered(inputs, scales):
     return q8, k8, v8t, scales, v_scale
 
 
+def cudnn_bf16_plans(q, k, v, scale: float) -> dict:
+    """{name: call} for each plan of cuDNN's bf16 SDPA on q, k, v [B, S, H, D], its output [B, S, H, D]."""
+    import cudnn
+
+    batch, tokens, heads, dim = q.shape
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    bf16 = cudnn.data_type.BFLOAT16
+    dims, strides = (batch, heads, tokens, dim), (tokens * heads * dim, dim, heads * dim, 1)
+    graph = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=bf16) for n in "qkv")
+    to, _ = graph.sdpa(name="sdpa", q=tq, k=tk, v=tv, generate_stats=False, attn_scale=scale, use_causal_mask=False)
+    to.set_output(True).set_dim(dims).set_stride(strides).set_data_type(bf16)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans(cudnn.build_plan_policy.ALL)
+
+    def plan(index: int):
+        out = torch.empty_like(q)
+        workspace = torch.empty(max(graph.get_workspace_size_plan_at_index(index), 1), dtype=torch.uint8,
+                                device=q.device)
+        pack = {tq: q, tk: k, tv: v, to: out}
+
+        def run():
+            graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+            return out
+        return run
+
+    return {f"cudnn plan {i} {graph.get_plan_name_at_index(i)}": plan(i) for i in range(graph.get_execution_plan_count())}
+
+
 def shape(text: str) -> tuple[int, int]:
     """'2:4429' -> (batch 2, 4429 tokens)."""
     batch, _, tokens = text.partition(":")
@@ -152,6 +191,8 @@ def main() -> None:
                    help="default: Flux's, " + " ".join(f"{b}:{t}" for b, t in SHAPES))
     p.add_argument("--no-projections", dest="projections", action="store_false",
                    help="skip the attentions from Flux's projections (its norms and rotation)")
+    p.add_argument("--bf16-plans", action="store_true",
+                   help="bf16 only: torch's backends against every plan of cuDNN's bf16 SDPA (no float8, no projections)")
     args = p.parse_args()
     device = torch.device("cuda")
     results = []
@@ -169,6 +210,12 @@ def main() -> None:
         scale = 1 / math.sqrt(dim)
         candidates = {"sdpa cudnn bf16": lambda: under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v),
                       "sdpa flash bf16": lambda: under(SDPBackend.FLASH_ATTENTION, sdpa)(q, k, v)}
+        if args.bf16_plans:
+            candidates.update(cudnn_bf16_plans(q, k, v, scale))
+            results += time_kernels(candidates, {"batch": batch, "text": 0, "tokens": tokens}, device, args.iters,
+                                    lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref),
+                                                     "same_bytes": bool(torch.equal(out, ref))})
+            continue
         for bm, bn, w, st, tma in CONFIGS:
             candidates[f"fp8 m{bm} n{bn} w{w} s{st}{' tma' if tma else ''}"] = (
                 lambda bm=bm, bn=bn, w=w, st=st, tma=tma: fa.attention(q8, k8, v8t, scales, v_scale, scale,
@@ -190,10 +237,11 @@ def main() -> None:
         candidates["compiled quantize + fp8"] = lambda: compiled_fp8(q, k, v)
         results += time_kernels(candidates, {"batch": batch, "text": 0, "tokens": tokens}, device, args.iters,
                                 lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(dequantized(out, ref), ref)})
-    for batch, text, image in PROJECTIONS if args.projections else ():
+    for batch, text, image in PROJECTIONS if args.projections and not args.bf16_plans else ():
         results += from_projections(batch, text, image, device, args.iters, heads, dim)
     save_and_print_rows(args.out, device, args, results, ("batch", "text", "tokens"),
-                        {"TFLOP/s": "tflops", "rel RMS vs cuDNN bf16": "rel_rms", "max abs": "max_abs"})
+                        {"TFLOP/s": "tflops", "rel RMS vs cuDNN bf16": "rel_rms", "max abs": "max_abs",
+                         **({"torch cuDNN's bytes": "same_bytes"} if args.bf16_plans else {})})
 
 
 if __name__ == "__main__":
