@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 from pipeline.exit_codes import text_table
 from pipeline.manifest import check_manifest_file
 from pipeline.paths import absolute, asset, check_writable_dir
@@ -367,7 +367,7 @@ def check_choices(cfg: JobConfig) -> None:
         ("cluster.name", cfg.cluster.name, CLUSTERS),
     ):
         if value not in accepted:
-            raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
+            raise not_accepted(key, value, accepted)
     for key, value, accepted in (  # kernel settings the user gave (null: the plan's)
         ("kernels.attention", cfg.kernels.attention, ATTENTION),
         ("kernels.compile_mode", cfg.kernels.compile_mode, COMPILE_MODES),
@@ -376,11 +376,11 @@ def check_choices(cfg: JobConfig) -> None:
         ("kernels.fp8_attention_kernel", cfg.kernels.fp8_attention_kernel, FP8_ATTENTION_KERNELS),
     ):
         if value is not None and value not in accepted:
-            raise UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}")
+            raise not_accepted(key, value, accepted)
     if cfg.output.dir is None:
         raise UserError("output.dir is not set: name the directory the job writes to, e.g. output.dir=outputs/my-dataset")
     if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
-        raise UserError(f"runtime.device={cfg.runtime.device!r} is not accepted; choose one of {list(DEVICES)} or cuda:N")
+        raise not_accepted("runtime.device", cfg.runtime.device, DEVICES, " or cuda:N")
     check_output(cfg.output)
     if cfg.output.encode_threads < 1:
         raise UserError(f"output.encode_threads={cfg.output.encode_threads} must be >= 1")

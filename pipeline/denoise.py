@@ -20,7 +20,7 @@ import torch
 from bcg.buffers import InputSpec
 from bcg.buckets import pick_bucket
 from bcg.engine import BCGEngine, Output, ShapeKey
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 from pipeline.models.source import library
 from pipeline.models.base import Adapter
 from pipeline.samplers import SAMPLERS, Sampler, check_sampler_fits, check_schedule, make_sampler, sampler_name_for
@@ -51,7 +51,7 @@ class Denoiser:
 
     def __init__(self, adapter: Adapter, scope: str, sampler: str, steps: int, engine_factory: Callable[..., BCGEngine] | None = None):
         if scope not in SCOPES:
-            raise UserError(f"bcg.scope={scope!r} is not accepted; choose one of {list(SCOPES)}")
+            raise not_accepted("bcg.scope", scope, SCOPES)
         if scope == "loop" and adapter.conditioning_varies_per_step:
             raise UserError(LOOP_REFUSAL)
         check_sampler_fits(sampler, adapter.scheduler_class, adapter.scheduler_config)

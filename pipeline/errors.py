@@ -7,3 +7,14 @@ They are ValueErrors, so library callers can catch them as such.
 
 class UserError(ValueError):
     """Bad input: the message names the value and what would be accepted."""
+
+
+def not_accepted(key: str, value: object, accepted, extra: str = "") -> UserError:
+    """"kernels.plan='fastt' is not accepted; choose one of [...]; did you mean 'fast'?" (no guess when none
+    is near); `extra`: more that is accepted, said after the list."""
+    import difflib
+
+    choices = [a for a in accepted if isinstance(a, str)]
+    near = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+    return UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}{extra}"
+                     + (f"; did you mean {near[0]!r}?" if near else ""))

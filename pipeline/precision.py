@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP8 = "fp8"  # the model in bf16, its family's float8 kernel plan (pipeline.plans)
@@ -41,8 +41,7 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
     if requested == FP8:
         return Precision("bf16", True, requested)
     if requested not in DTYPES:
-        raise UserError(f"precision.dtype={requested!r} is not accepted; choose one of ['auto', {', '.join(map(repr, DTYPES))}, "
-                        f"'{FP8}']")
+        raise not_accepted("precision.dtype", requested, ("auto", *DTYPES, FP8))
     return Precision(requested, False, requested)
 
 

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bcg.buffers import StaticInputs
 from pipeline.config import ATTENTION
 from pipeline.plans import KernelSettings
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 
 if TYPE_CHECKING:
     from pipeline.models.base import Adapter
@@ -57,7 +57,7 @@ UNSET = ("auto", "flash_attn")  # no SDPA backend to choose: PyTorch's own choic
 def check(kernels: KernelSettings, device: torch.device | None) -> None:
     """A backend that is not accepted, or whose package is missing."""
     if kernels.attention not in ATTENTION:
-        raise UserError(f"kernels.attention={kernels.attention!r} is not accepted; choose one of {list(ATTENTION)}")
+        raise not_accepted("kernels.attention", kernels.attention, ATTENTION)
     if kernels.attention == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
         raise UserError(
             "kernels.attention=flash_attn needs the flash-attn package, which is not installed "

@@ -37,7 +37,7 @@ import torch
 
 from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS
 from pipeline.plans import KernelSettings
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 from pipeline.kernels import precompile, reductions
 from pipeline.paths import check_writable_dir
 from pipeline.process_state import saved_environ
@@ -154,7 +154,7 @@ def compile_transformer(transformer: torch.nn.Module, mode: str, tuning: str, sh
     (pipeline.kernels.precompile), whose counts (loaded, compiled) the returned report holds as they grow."""
     how = compile_options(mode, tuning, persistent)
     if scope not in COMPILE_SCOPES:
-        raise UserError(f"kernels.compile_scope={scope!r} is not accepted; choose one of {list(COMPILE_SCOPES)}")
+        raise not_accepted("kernels.compile_scope", scope, COMPILE_SCOPES)
     compile_limits(shapes)
     if scope == "norms":
         return {}
@@ -224,9 +224,9 @@ def compile_options(mode: str, tuning: str, persistent: bool = False) -> dict:
     changes numerics); `persistent`: pipeline.kernels.reductions. Part of inductor's cache key: a
     cache never serves one for the other."""
     if mode not in COMPILE_MODES:
-        raise UserError(f"kernels.compile_mode={mode!r} is not accepted; choose one of {list(COMPILE_MODES)}")
+        raise not_accepted("kernels.compile_mode", mode, COMPILE_MODES)
     if tuning not in COMPILE_TUNINGS:
-        raise UserError(f"kernels.compile_tuning={tuning!r} is not accepted; choose one of {list(COMPILE_TUNINGS)}")
+        raise not_accepted("kernels.compile_tuning", tuning, COMPILE_TUNINGS)
     from torch._inductor import list_mode_options
 
     options = {"coordinate_descent_tuning": True} if mode == "coordinate-descent" else dict(list_mode_options(mode))

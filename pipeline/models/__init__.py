@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 from pipeline.manifest import BadRow, Item, Manifest
 from pipeline.model_info import PIPELINE_FAMILIES
 from pipeline.models.footprint import check_fits, checkpoint_components, random_components
@@ -69,7 +69,7 @@ def model_source(cfg: ModelConfig) -> Source:
         force_offline()
         return read_pipeline_dir(cfg.path, PIPELINES)
     if cfg.weights != "random":
-        raise UserError(f"model.weights={cfg.weights!r} is not accepted; choose one of ['random', 'pretrained']")
+        raise not_accepted("model.weights", cfg.weights, ("random", "pretrained"))
     family = _family(cfg.family)
     pipeline = cfg.pipeline or family.PIPELINES[0]
     if pipeline not in family.PIPELINES:
