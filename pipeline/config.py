@@ -380,7 +380,7 @@ def check_choices(cfg: JobConfig) -> None:
     if cfg.output.dir is None:
         raise UserError("output.dir is not set: name the directory the job writes to, e.g. output.dir=outputs/my-dataset")
     if cfg.runtime.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.runtime.device):
-        raise not_accepted("runtime.device", cfg.runtime.device, DEVICES, " or cuda:N")
+        raise not_accepted("runtime.device", cfg.runtime.device, DEVICES, " or cuda:N", {"gpu": "cuda"})
     check_output(cfg.output)
     if cfg.output.encode_threads < 1:
         raise UserError(f"output.encode_threads={cfg.output.encode_threads} must be >= 1")

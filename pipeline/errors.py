@@ -9,12 +9,18 @@ class UserError(ValueError):
     """Bad input: the message names the value and what would be accepted."""
 
 
-def not_accepted(key: str, value: object, accepted, extra: str = "") -> UserError:
+def not_accepted(key: str, value: object, accepted, extra: str = "", synonyms: dict | None = None) -> UserError:
     """"kernels.plan='fastt' is not accepted; choose one of [...]; did you mean 'fast'?" (no guess when none
-    is near); `extra`: more that is accepted, said after the list."""
+    is near); `extra`: more that is accepted, said after the list; `synonyms`: a value's meaning where the
+    spelling misleads ({'gpu': 'cuda'}, not 'cpu')."""
     import difflib
 
-    choices = [a for a in accepted if isinstance(a, str)]
-    near = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+    synonyms = synonyms or {}
+    if value in synonyms:
+        near = [synonyms[value]]
+    elif isinstance(value, str):
+        near = difflib.get_close_matches(value, [a for a in accepted if isinstance(a, str)], n=1)
+    else:
+        near = []
     return UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}{extra}"
                      + (f"; did you mean {near[0]!r}?" if near else ""))

@@ -40,6 +40,8 @@ TINY_CPU = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", "s
     ("sampler.steps=many", "sampler.steps='many' is not accepted; expected an integer or null"),
     ("kernels.plan=fastt", "kernels.plan='fastt' is not accepted; choose one of ['auto', 'eager', 'compiled', 'fast', "
                            "'fast-fp8', 'sd3', 'sd3-fp8', 'flux', 'flux-fp8']; did you mean 'fast'?"),
+    ("runtime.device=gpu", "runtime.device='gpu' is not accepted; choose one of ['auto', 'cpu', 'cuda'] or cuda:N; "
+                           "did you mean 'cuda'?"),
     ("+sampler.name=ddim", "Could not append to config. An item is already at 'sampler.name'. Either remove + "
                            "prefix: 'sampler.name=ddim' Or add a second + to add or override 'sampler.name': "
                            "'++sampler.name=ddim'"),  # Hydra's own message, on one line
