@@ -15,12 +15,9 @@ def not_accepted(key: str, value: object, accepted, extra: str = "", synonyms: d
     spelling misleads ({'gpu': 'cuda'}, not 'cpu')."""
     import difflib
 
-    synonyms = synonyms or {}
-    if value in synonyms:
-        near = [synonyms[value]]
-    elif isinstance(value, str):
-        near = difflib.get_close_matches(value, [a for a in accepted if isinstance(a, str)], n=1)
-    else:
-        near = []
+    near = []
+    if isinstance(value, str):
+        near = [synonyms[value]] if value in (synonyms or {}) else \
+            difflib.get_close_matches(value, [a for a in accepted if isinstance(a, str)], n=1)
     return UserError(f"{key}={value!r} is not accepted; choose one of {list(accepted)}{extra}"
                      + (f"; did you mean {near[0]!r}?" if near else ""))
