@@ -4,6 +4,8 @@ The CLI prints their message alone and exits 2; any other exception is a bug and
 They are ValueErrors, so library callers can catch them as such.
 """
 
+import difflib
+
 
 class UserError(ValueError):
     """Bad input: the message names the value and what would be accepted."""
@@ -13,8 +15,6 @@ def not_accepted(key: str, value: object, accepted, extra: str = "", synonyms: d
     """"kernels.plan='fastt' is not accepted; choose one of [...]; did you mean 'fast'?" (no guess when none
     is near); `extra`: more that is accepted, said after the list; `synonyms`: a value's meaning where the
     spelling misleads ({'gpu': 'cuda'}, not 'cpu')."""
-    import difflib
-
     near = []
     if isinstance(value, str):
         near = [synonyms[value]] if value in (synonyms or {}) else \
