@@ -11,7 +11,6 @@ is one `UserError` that names the nearest valid name.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -23,7 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from pipeline.config import JobConfig
-from pipeline.errors import UserError
+from pipeline.errors import UserError, nearest
 
 HELP_HINT = "`--cfg job` prints every key, `--help` the config groups"
 
@@ -77,9 +76,9 @@ def describe(kind: Any) -> str:
 def unknown(what: str, name: str, known: Iterable[str], *, of: str = "", hint: str = HELP_HINT) -> UserError:
     """"unknown config key 'sampler.stpes'; did you mean 'sampler.steps'?" (`hint` when none is near);
     `of`: the group an option is missing from."""
-    near = difflib.get_close_matches(name, list(known), n=1)
+    near = nearest(name, known)
     where = f" for {of}" if of else ""
-    return UserError(f"unknown {what} '{name}'{where}; " + (f"did you mean '{near[0]}'?" if near else hint))
+    return UserError(f"unknown {what} '{name}'{where}; " + (f"did you mean '{near}'?" if near else hint))
 
 
 def parse(overrides: Sequence[str]) -> list[Override]:
