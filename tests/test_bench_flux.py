@@ -61,4 +61,4 @@ def test_a_mistyped_variant_is_named_with_what_is_accepted_and_plans_run_as_a_jo
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())["kernels"][variant]
     assert report["own_blocks"] == "flux" and report["compiled_for"] == "native-size-rows-1-and-2"
-    assert report["own_block_settings"] == ["fuse_qkv", "fp8", "fuse_gelu", "split_out_proj", "fp8_attention", "fp8_norm"]
+    assert report["own_block_settings"] == ["fuse_qkv", "fp8", "fuse_gelu", "fp8_attention", "fp8_norm", "split_out_proj"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.blocks.joint import (BlockKernels, FeedForward, JointTransformer, Modulations, activated, check_head_dim,
+from pipeline.blocks.joint import (FeedForward, JointKernels, JointTransformer, Modulations, activated, check_head_dim,
                                    fp8_rows, kernel_attention, modulated_norm, norm_weights, project, projections,
                                    residual_ff, up_projection)
 from pipeline.blocks.layers import GeluLinear, linear, linear_of
@@ -45,19 +45,10 @@ __all__ = ["FluxKernels", "FluxTransformer", "check_head_dim", "norm_weights"]
 
 
 @dataclass(frozen=True)
-class FluxKernels(BlockKernels):
+class FluxKernels(JointKernels):
     """What Flux's own blocks compute with (the kernel plan's Flux settings): the joint blocks' and its own."""
 
-    fuse_qkv: bool = False
-    fp8: bool = False
-    fuse_gelu: bool = False
-    fuse_gelu_mm: bool = False
     split_out_proj: bool = False
-    hoist_modulation: bool = False
-    fuse_qk_norm: bool = False
-    fp8_attention: bool = False
-    fp8_norm: bool = False
-    fp8_attention_kernel: str = "triton"  # triton | cudnn (resolved: pipeline.kernels.fp8_attention_choice)
 
 
 class Attention(torch.nn.Module):

@@ -52,7 +52,7 @@ class BlockKernels:
 
 @dataclass(frozen=True)
 class JointKernels(BlockKernels):
-    """The kernel settings SD3's blocks read; Flux's read these and their own (pipeline.blocks.flux)."""
+    """The kernel settings SD3's blocks read; Flux's (pipeline.blocks.flux.FluxKernels) add their own."""
 
     fuse_qkv: bool = False
     fp8: bool = False
