@@ -83,7 +83,8 @@
 #                                                # (PROFILE_MANIFEST=path, PROFILE_LADDER="[16]": other rows, batches)
 #   bash benchmarks/gpu_checks.sh sweep          # PixArt-Sigma, 60 rows: one job, then a 3-job one-process sweep over
 #                                                # bcg/ladder (the later jobs keep the model), on one warm per-user cache
-#                                                # (SWEEP_ROWS=8: its first 8 rows, a job whose fixed costs dominate)
+#                                                # (SWEEP_ROWS=8: its first 8 rows, a job whose fixed costs dominate;
+#                                                # SWEEP_CACHE=cold: the job and the sweep each on an empty cache)
 #   bash benchmarks/gpu_checks.sh shards         # on 2 GPUs: the 1,000-row manifest as one process, then through the
 #                                                # README's multi-GPU command; ids, images, images/s each way
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
@@ -370,9 +371,13 @@ sweep() {
     manifest=/tmp/sweep-rows.parquet
   fi
   rows=(+job=bench bench.baseline=false manifest.path=$manifest)
-  rm -rf $cache /tmp/bench-sweep
-  one_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
-  one_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
+  rm -rf $cache $cache-one /tmp/bench-sweep
+  if [ "${SWEEP_CACHE:-warm}" = cold ]; then  # each run on an empty per-user cache of its own
+    one_job sweep_one $cache-one "${rows[@]}" bcg/ladder=pow2_8
+  else
+    one_job sweep_fill $cache "${rows[@]}" bcg/ladder=pow2_16   # the per-user cache written first: both runs below are warm
+    one_job sweep_one $cache "${rows[@]}" bcg/ladder=pow2_8
+  fi
   start=$(date +%s.%N)
   BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run -m "${rows[@]}" bcg/ladder=pow2_8,pow2_16,one_8 hydra.sweep.dir=/tmp/bench-sweep > "$BENCH_OUT/sweep.log" 2>&1; local code=$?
   echo "== sweep of 3 jobs: the process took $(since $start) s"; rc $code; tail_if_failed $code "$BENCH_OUT/sweep.log"
