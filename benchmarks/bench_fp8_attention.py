@@ -186,7 +186,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "benchmarks" / "bench_fp8_attention.json")
     p.add_argument("--heads", type=int, default=HEADS)
-    p.add_argument("--dim", type=int, default=DIM, choices=fa.HEAD_DIMS, help="values per head")
+    p.add_argument("--dim", type=int, default=DIM,
+                   help=f"values per head: {', '.join(map(str, fa.HEAD_DIMS))}; with --bf16-plans any multiple of 8 "
+                        "up to 256 (PixArt's 72)")
     p.add_argument("--shapes", nargs="+", type=shape, default=list(SHAPES), metavar="BATCH:TOKENS",
                    help="default: Flux's, " + " ".join(f"{b}:{t}" for b, t in SHAPES))
     p.add_argument("--no-projections", dest="projections", action="store_false",
@@ -194,6 +196,9 @@ def main() -> None:
     p.add_argument("--bf16-plans", action="store_true",
                    help="bf16 only: torch's backends against every plan of cuDNN's bf16 SDPA (no float8, no projections)")
     args = p.parse_args()
+    if args.dim not in fa.HEAD_DIMS and not (args.bf16_plans and args.dim % 8 == 0 and 0 < args.dim <= 256):
+        p.error(f"--dim {args.dim} is not accepted: choose one of {list(fa.HEAD_DIMS)} (with --bf16-plans: a "
+                "multiple of 8 up to 256)")
     device = torch.device("cuda")
     results = []
     heads, dim = args.heads, args.dim
@@ -204,9 +209,6 @@ def main() -> None:
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
         tflop = 4 * batch * heads * tokens ** 2 * dim / 1e12
         ref = under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v)
-        scales = torch.full((2,), dim ** 0.5 / fa.FP8_MAX, device="cuda")  # the bound of RMS-normalized heads
-        q8, k8 = ((t.float() / s).to(fa.FP8) for t, s in ((q, scales[0]), (k, scales[1])))
-        v8t, v_scale = fa.quantize_values(v)
         scale = 1 / math.sqrt(dim)
         candidates = {"sdpa cudnn bf16": lambda: under(SDPBackend.CUDNN_ATTENTION, sdpa)(q, k, v),
                       "sdpa flash bf16": lambda: under(SDPBackend.FLASH_ATTENTION, sdpa)(q, k, v)}
@@ -216,6 +218,9 @@ def main() -> None:
                                     lambda out, ms: {"tflops": round(tflop / (ms / 1e3)), **errors(out, ref),
                                                      "same_bytes": bool(torch.equal(out, ref))})
             continue
+        scales = torch.full((2,), dim ** 0.5 / fa.FP8_MAX, device="cuda")  # the bound of RMS-normalized heads
+        q8, k8 = ((t.float() / s).to(fa.FP8) for t, s in ((q, scales[0]), (k, scales[1])))
+        v8t, v_scale = fa.quantize_values(v)
         for bm, bn, w, st, tma in CONFIGS:
             candidates[f"fp8 m{bm} n{bn} w{w} s{st}{' tma' if tma else ''}"] = (
                 lambda bm=bm, bn=bn, w=w, st=st, tma=tma: fa.attention(q8, k8, v8t, scales, v_scale, scale,
