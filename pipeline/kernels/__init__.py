@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 from pipeline.kernels import (attention, compile, cudnn_attention, decoder, fp8, fp8_attention, fp8_gelu, fp8_gelu_mm,
                               fp8_norm, norm, qkv, text)
 from pipeline.kernels import group_norm, precompile, residual_rows
@@ -144,8 +144,7 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
     """Float8 attention's kernel is one of FP8_ATTENTION_KERNELS; the float8 settings need float8 tensor
     cores, the Triton kernels Triton, on a known device."""
     if kernels.fp8_attention_kernel not in FP8_ATTENTION_KERNELS:
-        raise UserError(f"kernels.fp8_attention_kernel={kernels.fp8_attention_kernel!r} is not accepted; choose one "
-                        f"of {list(FP8_ATTENTION_KERNELS)}")
+        raise not_accepted("kernels.fp8_attention_kernel", kernels.fp8_attention_kernel, FP8_ATTENTION_KERNELS)
     if device is None:
         return
     for option in (FP8, FP8_ATTENTION, FP8_NORM, FUSE_GELU_MM):

@@ -37,7 +37,7 @@ import torch
 
 from pipeline.config import COMPILE_MODES, COMPILE_SCOPES, COMPILE_TUNINGS
 from pipeline.plans import KernelSettings
-from pipeline.errors import UserError, not_accepted
+from pipeline.errors import not_accepted
 from pipeline.kernels import precompile, reductions
 from pipeline.paths import check_writable_dir
 from pipeline.process_state import saved_environ
@@ -61,8 +61,7 @@ def check(kernels: KernelSettings, device: torch.device | None) -> None:
     if kernels.compile or kernels.compile_decoder:
         compile_options(kernels.compile_mode, kernels.compile_tuning)
     if kernels.compile and kernels.compile_scope not in COMPILE_SCOPES:
-        raise UserError(f"kernels.compile_scope={kernels.compile_scope!r} is not accepted; "
-                        f"choose one of {list(COMPILE_SCOPES)}")
+        raise not_accepted("kernels.compile_scope", kernels.compile_scope, COMPILE_SCOPES)
 
 
 # The shapes a compiled transformer is first called at (the kernels' size hints): the native size, and

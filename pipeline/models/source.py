@@ -21,7 +21,7 @@ import importlib
 import torch
 from packaging import version
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, not_accepted
 
 MODEL_INDEX = "model_index.json"
 LIBRARIES = ("diffusers", "transformers")  # the only packages a directory's components may come from
@@ -212,7 +212,7 @@ def no_loading_bars() -> Iterator[None]:
 def init_where(init_device: str, device: torch.device) -> torch.device:
     """Where random weights are initialised (model.init_device: cpu, or the job's device)."""
     if init_device not in INIT_DEVICES:
-        raise UserError(f"model.init_device={init_device!r} is not accepted; choose one of {list(INIT_DEVICES)}")
+        raise not_accepted("model.init_device", init_device, INIT_DEVICES, synonyms={"gpu": "target", "cuda": "target"})
     return torch.device("cpu") if init_device == "cpu" else device
 
 
