@@ -51,7 +51,7 @@ from pipeline.kept_model import KeptModel, model_key, not_keepable
 from pipeline.profiling import BatchProfile
 from pipeline.prompts import PromptCache, encoding_digest, planned_prompts, prompt_cache
 from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
-from pipeline.startup import Preamble, StartupClock, say_imported_from_source
+from pipeline.startup import Preamble, StartupClock, job_ended, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
 from pipeline.samplers import check_sampler_fits
 from pipeline.resume import (ResumeConflict, conflict_message, find_conflicts, foreign_ids, foreign_message,
@@ -137,6 +137,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
             if kept is not None:  # a job that failed may leave its model half-done (a capture, a compile)
                 kept.drop()
             raise
+        finally:
+            job_ended()  # a next job in this process counts its start-up from here
 
 
 def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter: Adapter | None,

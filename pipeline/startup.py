@@ -3,7 +3,9 @@
 
 The job marks the end of each of its steps (`StartupClock.lap`); the time before the job began is
 measured from the process's start as the kernel records it (Linux /proc), so it holds the
-interpreter's start, the imports, Hydra and the config checks.
+interpreter's start, the imports, Hydra and the config checks. A later job of the same process (a
+one-process sweep, a caller's loop over `pipeline.job.run`) counts from the end of the one before it
+(`job_ended`): what its launcher did between them, not the earlier jobs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ STAGES = ("prepare", "build", "kernels", "calibrate", "prompts", "graphs")  # th
 IMPORTED = ("torch", "diffusers", "transformers", "hydra", "omegaconf")
 
 log = logging.getLogger(__name__)
+
+_last_job_end: float | None = None  # perf_counter when this process's last job ended (job_ended)
 
 
 def imported_from_source() -> tuple[str, ...]:
@@ -59,6 +63,20 @@ def process_age_s() -> float | None:
     return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
 
 
+def job_ended() -> None:
+    """A job of this process ended: the next one's start-up counts from now."""
+    global _last_job_end
+    _last_job_end = time.perf_counter()
+
+
+def before_this_job() -> float | None:
+    """The seconds before this job began that are its start-up: the process's age for its first job
+    (None where /proc does not say), the seconds since the last one ended for a later job."""
+    if _last_job_end is not None:
+        return time.perf_counter() - _last_job_end
+    return process_age_s()
+
+
 @dataclass(frozen=True)
 class Preamble:
     """What the caller did in this process before the job began, which `imports` would otherwise
@@ -74,7 +92,7 @@ class StartupClock:
     """The job's start-up laps: `lap(stage)` gives `stage` the seconds since the previous lap (or the
     job's start)."""
 
-    before_job: float | None = field(default_factory=process_age_s)
+    before_job: float | None = field(default_factory=before_this_job)
     from_source: tuple[str, ...] = field(default_factory=imported_from_source)
     started: float = field(default_factory=time.perf_counter)
     laps: dict[str, float] = field(default_factory=dict)

@@ -217,9 +217,12 @@ def test_a_sweep_builds_and_compiles_its_model_once_and_makes_what_separate_proc
 
     stats = [json.loads((sweep / str(num) / "stats.json").read_text()) for num in range(len(ladders))]
     assert "model_kept" not in stats[0]["kernels"] and stats[0]["kernels"]["compiled_graphs"] > 0
+    first = stats[0]["startup_s"]
     for later in stats[1:]:
         assert later["kernels"]["model_kept"] is True and later["kernels"]["compiled_graphs"] == 0
         assert settings(later["kernels"]) == settings(stats[0]["kernels"])
+        # its start-up counts from the job before it, not from the process's start
+        assert later["startup_s"]["imports"] < first["total"] - first["imports"], (first, later["startup_s"])
 
     alone = run_cli(*common, "bcg/ladder=one_8", f"output.dir={tmp_path / 'alone'}", cwd=REPO)
     assert alone.returncode == 0, alone.stderr[-2000:]

@@ -14,7 +14,7 @@ from pipeline.calibrate import SAVED, load_choice, save_choice
 from pipeline.errors import UserError
 from pipeline.job import run
 from pipeline.manifest import ManifestError
-from pipeline.startup import process_age_s
+from pipeline.startup import before_this_job
 
 AUTO = ("bcg.ladder=auto", "bcg.auto_sizes=[1,2,4]")
 
@@ -137,8 +137,8 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
 
     job, ages = pipeline.job.run, []
 
-    def aged_run(*args, **kwargs):  # this process's age as the job begins
-        ages.append(process_age_s())
+    def aged_run(*args, **kwargs):  # the seconds its start-up would count as the job begins
+        ages.append(before_this_job())
         return job(*args, **kwargs)
 
     monkeypatch.setattr(pipeline.job, "run", aged_run)
@@ -157,8 +157,8 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     assert json.loads((tmp_path / "out" / BENCH).read_text()) == result
     startup = json.loads((tmp_path / "out" / "stats.json").read_text())["startup_s"]
     assert startup["build"] >= result["model_build_s"] > 0  # the model the bench built counts as our build
-    if ages[0] is not None:  # Linux: imports is this process's age when the job began, less the model's build and
-        # the baseline's run, but not the bench's checks, which a job run alone makes too
+    if ages[0] is not None:  # Linux: imports is the process's age (or the time since its last job) as the job
+        # began, less the model's build and the baseline's run, but not the bench's checks: a job run alone makes them
         left_out = ages[0] - startup["imports"]
         assert BASELINE_PAUSE_S <= left_out < BASELINE_PAUSE_S + CHECK_PAUSE_S, (startup, ages)
 
