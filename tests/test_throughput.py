@@ -133,15 +133,13 @@ def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, man
     monkeypatch.setattr(bench, "diffusers_baseline", slow_baseline)
     monkeypatch.setattr(bench, "check_cpu_scale", slow_check)
     monkeypatch.setattr(bench, "to_diffusers", lambda adapter: Counted(made(adapter)))
-    import pipeline.job
-
-    job, ages = pipeline.job.run, []
+    ages = []
 
     def aged_run(*args, **kwargs):  # the seconds its start-up would count as the job begins
         ages.append(before_this_job())
-        return job(*args, **kwargs)
+        return run(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline.job, "run", aged_run)
+    monkeypatch.setattr("pipeline.job.run", aged_run)  # run_bench imports it when called
     result = run_bench(cpu_job(manifest, tmp_path / "out", "bench.baseline=true", "bench.baseline_batch=4"))
     base = result["baseline"]
     assert base["images"] == result["ours"]["images"] == 7
