@@ -90,6 +90,10 @@
 #                                                # (SHARDS_MANIFEST=jobs/manifests/bench_small.parquet: 200 rows;
 #                                                # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels;
 #                                                # SHARDS_ARGS="--launcher ray": cluster=ray, a Ray task per GPU, needs .[ray])
+#   bash benchmarks/gpu_checks.sh alone          # jobs run alone in a venv of the package's requirements only
+#                                                # (benchmarks/lean_venv.py: a user's fresh venv): PixArt-Sigma's 200 rows
+#                                                # cold, then warm (a cache bench_tiny's 60 rows wrote); FLUX.1-dev float8
+#                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: start-up stages
 # The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
 # the job finishes its step first); the *_LIMIT variables below change them.
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
@@ -321,12 +325,12 @@ cache_200() {
 
 
 
-# one_job NAME BCG_CACHE_DIR JOB-ARGS...: one job in a process of its own, on that per-user kernel cache, into
-# /tmp/bench-NAME; its table, start-up stages and decoder figures, its log and JSON under $BENCH_OUT
+# one_job NAME BCG_CACHE_DIR JOB-ARGS...: one job in a process of its own (of JOB_PYTHON, default python3), on that
+# per-user kernel cache, into /tmp/bench-NAME; its table, start-up stages and decoder figures, its log and JSON under $BENCH_OUT
 one_job() {
   local name=$1 cache=$2 code start; start=$(date +%s.%N); shift 2
   rm -rf /tmp/bench-$name
-  BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} python3 -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
+  BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} ${JOB_PYTHON:-python3} -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
   cp /tmp/bench-$name/stats.json "$BENCH_OUT/${name}_stats.json" 2>/dev/null; cp /tmp/bench-$name/bench.json "$BENCH_OUT/${name}_bench.json" 2>/dev/null
   bench_summary "$name: the process took $(since $start) s" $code "$BENCH_OUT/$name.log"
   python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
@@ -350,6 +354,31 @@ flux_aspects() {
   one_job flux_aspects_warm /tmp/flux-aspects-cache-warm "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
   one_job flux_aspects_cold /tmp/flux-aspects-cache-cold "${flux[@]}" precision=fp8 bench.baseline_from=/tmp/bench-flux_aspects_baseline
   python3 -m pipeline.compare /tmp/bench-flux_aspects_warm /tmp/bench-flux_aspects_cold 2>&1 | tail -1 | cut -c1-200
+}
+
+alone() {  # jobs run alone, as a user's fresh venv runs them: process start to first commit, cold and warm
+  rm -rf /tmp/lean
+  python3 benchmarks/lean_venv.py /tmp/lean > "$BENCH_OUT/lean_venv.log" 2>&1; local code=$?
+  echo "== alone: a venv of the package's requirements"; rc $code; tail -2 "$BENCH_OUT/lean_venv.log" | cut -c1-200
+  [ $code = 0 ] || return
+  local pixart=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_small.parquet)
+  local flux=(+job=bench bench.baseline=false model=flux_dev precision=fp8)
+  rm -rf /tmp/alone-cache-*
+  export JOB_PYTHON=/tmp/lean/bin/python
+  one_job alone_pixart_cold /tmp/alone-cache-pixart-cold "${pixart[@]}"
+  # warm: a cache written by a job on other rows and sizes (bench_tiny's 60), as a later night's job finds it
+  one_job alone_pixart_fill /tmp/alone-cache-pixart +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet
+  one_job alone_pixart_warm /tmp/alone-cache-pixart "${pixart[@]}"
+  one_job alone_flux_cold /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_1024.parquet
+  one_job alone_flux_warm /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_aspects.parquet
+  unset JOB_PYTHON
+  local name
+  echo "| job | imports | build | kernels | warm-up | capture | first batch | process start to first commit |"
+  for name in pixart_cold pixart_warm flux_cold flux_warm; do
+    python3 -c "import json, sys; s=json.load(open(sys.argv[1]))['startup_s']
+print('|', sys.argv[2], '|', ' | '.join(str(s.get(k)) for k in ('imports', 'build', 'kernels', 'warmup', 'capture', 'first_batch', 'to_first_commit')), '|')" \
+      "$BENCH_OUT/alone_${name}_stats.json" $name 2>&1 | tail -1
+  done
 }
 
 profile() {
@@ -420,6 +449,7 @@ for what in "${@:-cuda-tests}"; do
     fp8-1000) fp8_1000 ;;
     sweep) sweep ;;
     profile) profile ;;
+    alone) alone ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac
