@@ -105,9 +105,7 @@ def test_bench_refuses_before_the_baseline_runs(tmp_path, manifest, monkeypatch)
 def test_bench_runs_diffusers_and_ours_on_the_same_rows_and_agrees(tmp_path, manifest, monkeypatch):
     from pipeline import bench
 
-    baseline = bench.diffusers_baseline
-
-    baseline_took = []
+    baseline, baseline_took = bench.diffusers_baseline, []
 
     def slow_baseline(*args, **kwargs):  # a baseline of some seconds, which our start-up must not hold
         started = time.perf_counter()
