@@ -93,7 +93,7 @@
 #   bash benchmarks/gpu_checks.sh alone          # jobs run alone in a venv of the package's requirements only
 #                                                # (benchmarks/lean_venv.py: a user's fresh venv): PixArt-Sigma's 200 rows
 #                                                # cold, then warm (a cache bench_tiny's 60 rows wrote); FLUX.1-dev float8
-#                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: start-up stages
+#                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: each job's start-up stages
 #                                                # (after the stage bytecode where the packages lack it)
 # The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
 # the job finishes its step first); the *_LIMIT variables below change them.
@@ -373,13 +373,6 @@ alone() {  # jobs run alone, as a user's fresh venv runs them: process start to 
   one_job alone_flux_cold /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_1024.parquet
   one_job alone_flux_warm /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_aspects.parquet
   unset JOB_PYTHON
-  local name
-  echo "| job | imports | build | kernels | warm-up | capture | first batch | process start to first commit |"
-  for name in pixart_cold pixart_warm flux_cold flux_warm; do
-    python3 -c "import json, sys; s=json.load(open(sys.argv[1]))['startup_s']
-print('|', sys.argv[2], '|', ' | '.join(str(s.get(k)) for k in ('imports', 'build', 'kernels', 'warmup', 'capture', 'first_batch', 'to_first_commit')), '|')" \
-      "$BENCH_OUT/alone_${name}_stats.json" $name 2>&1 | tail -1
-  done
 }
 
 profile() {
