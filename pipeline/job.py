@@ -24,6 +24,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from bcg.engine import BCGEngine
+from bcg.metrics import EngineMetrics
 from pipeline.calibrate import save_choice
 from pipeline.config import JobConfig, OutputConfig, RuntimeConfig, check_choices, fill_sampler_defaults
 from pipeline.contact_sheet import CONTACT_SHEET, write_contact_sheet
@@ -121,7 +122,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         preamble: Preamble | None = None, store: Mirror | None = None, kept: KeptModel | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
     parts/shard-*.json holds it (`PartReport.to_dict()`; a shard found finished returns its part
-    as it is, and builds no model). User errors raise ValueError subclasses (ManifestError,
+    as it is, and one whose batches a job of another shard.count committed a part that says so:
+    neither builds the model). User errors raise ValueError subclasses (ManifestError,
     ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
     `Interrupted` once the current batch is committed. `adapter`: a model already built from
     cfg.model (the benchmark's, shared with its diffusers baseline); `preamble`: the seconds the
@@ -178,8 +180,12 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         prepare_output(setup.out_dir, bad)
         stats.startup.lap("prepare")
 
-        # 8. A finished job ends here, before any weights are loaded.
-        if todo == [] and part_path(setup.out_dir, setup.shard.name).is_file():
+        # 8. A finished job ends here, before any weights are loaded; so does a shard whose batches a job
+        #    of another shard.count committed, with a part that says it had nothing to do.
+        if todo == []:
+            if not part_path(setup.out_dir, setup.shard.name).is_file():
+                write_part(setup.out_dir, setup.shard, idle_part(cfg, setup, stats, planned, len(bad), ladder.ladder,
+                                                                 fields, resolved_config))
             return finish_done(setup.out_dir, setup.shard, cfg.output.contact_sheet, store)
 
         # 9. The model and its kernels, and the denoiser that runs it in bcg.scope.
@@ -497,14 +503,22 @@ def reopen(out_dir: Path, shard: ShardSpec) -> None:
     shard.count."""
     for path in (out_dir / SUCCESS, out_dir / STATS, out_dir / CONTACT_SHEET, part_path(out_dir, shard.name)):
         path.unlink(missing_ok=True)
+    drop_other_counts(out_dir, shard)
+
+
+def drop_other_counts(out_dir: Path, shard: ShardSpec) -> None:
+    """The parts a job with another shard.count left: stale once a shard of this count runs, also
+    one with nothing to do (else `python -m pipeline.merge` finds parts of two counts)."""
     for stale in (out_dir / PARTS_DIR).glob("shard-*.json"):
         if not stale.stem.endswith(f"-of-{shard.count:05d}"):
             stale.unlink(missing_ok=True)
 
 
 def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> dict[str, Any]:
-    """A finished job run again: its part as it is; stats.json and _SUCCESS (once every shard is in)
-    and the contact sheet are written only where missing."""
+    """A finished job run again: its part as it is, the parts of another shard.count dropped;
+    stats.json and _SUCCESS (once every shard is in) and the contact sheet are written only where
+    missing."""
+    drop_other_counts(out_dir, shard)
     if not ((out_dir / STATS).is_file() and (out_dir / SUCCESS).is_file()):
         try:
             store.merge(shard.count) if store else merge(out_dir, shard.count)
@@ -616,9 +630,25 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
     )
 
 
+def idle_part(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, invalid: int, ladder: list[int],
+              fields: dict[str, Any], resolved_config: dict[str, Any] | None) -> PartReport:
+    """The part of a shard with no batch left and no part of its own (a job of another shard.count
+    committed its batches), from the configs: no model was built, no graph captured, nothing made."""
+    return PartReport(
+        **stats.figures(planned=planned.images, skipped=planned.images, invalid=invalid),
+        shard=ShardInfo(index=setup.shard.index, count=setup.shard.count),
+        ladder=list(ladder), scope=cfg.bcg.scope, sampler=fields["sampler"], precision=setup.precision,
+        device=str(setup.device), model=fields["model"],
+        bcg=EngineMetrics(reason="nothing to do: every batch of this shard was committed earlier").report(),
+        prompt_cache=PromptCacheCounts(encoded=0, hits=0), writer_busy_s=0.0, gpu_busy=None,
+        kernels=setup.plan.to_dict(), ladder_auto=None, versions=library_versions(), config=resolved_config,
+    )
+
+
 def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
     (out_dir / PARTS_DIR).mkdir(exist_ok=True)
     report.write(part_path(out_dir, shard.name))
+    drop_other_counts(out_dir, shard)
 
 
 def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> None:

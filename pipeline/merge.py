@@ -109,8 +109,9 @@ def merge_stats(parts: list[PartReport], status: Counter, output: OutputReport |
     one's end, `generate_s` from the first shard's first batch to the last one's end. As for one
     process, `images_per_s` is over the generate phase (after warm-up) and `wall_images_per_s` over
     the wall time, so one GPU's and several GPUs' stats compare directly. The rest (ladder, model,
-    versions, config, gpu_memory...) is the first shard's; `shards` holds each shard's own."""
-    first = parts[0]
+    versions, config, gpu_memory...) is the first shard's that ran a batch (a shard whose batches a
+    job of another shard.count committed built nothing); `shards` holds each shard's own."""
+    first = next((p for p in parts if p.batches), parts[0])
     merged = {f.name: getattr(first, f.name) for f in fields(Report)}
     images = ImageCounts(**{f.name: sum(getattr(p.images, f.name) for p in parts) for f in fields(ImageCounts)})
     merged.update(

@@ -22,6 +22,7 @@ from pipeline import planner
 from pipeline import writer as writer_module
 from pipeline.guard import JobLock, LockedError
 from pipeline.job import run
+from pipeline.merge import main as merge_main
 from pipeline.models.pixart import PixArtAdapter
 from pipeline.resume import ResumeConflict, read_committed
 from pipeline.sharding import ShardSpec
@@ -160,13 +161,25 @@ def test_changed_settings_are_a_conflict_but_a_null_negative_prompt_equals_empty
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "images").iterdir()} == images
 
 
-def test_resume_with_another_shard_count_completes(tmp_path):
+def test_resume_with_another_shard_count_completes(tmp_path, monkeypatch):
     manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"i{k}", 64, 64, k) for k in range(9)]))
     run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1,2]", "shard.index=0", "shard.count=3"))
     run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1,2]"))  # the rest, as one process
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert (tmp_path / "out" / "_SUCCESS").exists() and stats["images"]["ok"] == 9
     assert [p.name for p in (tmp_path / "out" / "parts").iterdir()] == ["shard-00000-of-00001.json"]
+    # the finished dataset run again in 2 shards: nothing to do, no model built, and their parts replace
+    # the single one's
+    images = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "images").iterdir()}
+    monkeypatch.setattr(job_module, "build", lambda *a, **k: pytest.fail("a shard with nothing to do built the model"))
+    for index in (0, 1):
+        part = run(cpu_job(manifest, tmp_path / "out", "bcg.ladder=[1,2]", f"shard.index={index}", "shard.count=2"))
+        assert part["batches"] == 0 and part["images"]["skipped"] == part["images"]["planned"] > 0
+    assert sorted(p.name for p in (tmp_path / "out" / "parts").iterdir()) == [
+        "shard-00000-of-00002.json", "shard-00001-of-00002.json"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "images").iterdir()} == images
+    assert merge_main([f"output.dir={tmp_path / 'out'}"]) == 0
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["images"]["ok"] == 9
 
 
 def test_extra_column_named_like_output_metadata_is_refused(tmp_path):
