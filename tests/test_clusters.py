@@ -148,6 +148,12 @@ def test_s3_output_resumes_from_the_store_and_its_lock_refuses_another_job(tmp_p
     again = run_shard(job, None)
     assert (again["images"]["ok"], again["images"]["skipped"]) == (1, 4)
     assert fs.exists("data/ds/_SUCCESS") and not any((tmp_path / "stage").glob("*/shard-*"))  # stage removed
+    for index in (0, 1):  # the finished dataset in 2 shards: nothing to do; their parts replace the single one's
+        run_shard(cpu_job(manifest, "s3://data/ds", "bcg.ladder=[1,2]", "output.shard_size=2", "shard.count=2",
+                          f"shard.index={index}"), None)
+    assert sorted(p.rsplit("/", 1)[1] for p in objects(fs, "data/ds/parts")) == [
+        "shard-00000-of-00002.json", "shard-00001-of-00002.json"]
+    assert merge_main(["output.dir=s3://data/ds"]) == 0
 
 
 @pytest.mark.parametrize("url, package", [("gs://bucket/ds", "gcsfs"), ("nosuch://bucket/ds", "Protocol not known")])
