@@ -87,6 +87,11 @@ def test_gpu_memory_is_each_shards_own_and_the_first_shards_at_run_level():
     assert text["gpu_memory"]["peak_allocated_gib"] == 13.0 and text["shards"][1]["gpu_memory"]["peak_allocated_gib"] == 14.0
     off = merge_stats([part(gpu=False)], Counter(ok=12))
     assert off.gpu_memory is None and off.shards[0].gpu_memory is None and json.loads(off.to_json())["gpu_memory"] is None
+    # a shard that had nothing to do (a job of another shard.count made its images) built nothing: the run is
+    # described by the first shard that ran a batch
+    idle = replace(a, batches=0, gpu_memory=None, kernels={"plan": "eager"}, device="cpu")
+    resumed = merge_stats([idle, b], Counter(ok=12))
+    assert (resumed.gpu_memory, resumed.kernels, resumed.device) == (gpu_memory(1), b.kernels, b.device)
 
 
 def test_a_report_written_before_gpu_memory_existed_reads_as_none():
