@@ -467,7 +467,11 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, b
         reopen(out_dir, shard)
     else:
         of = f"{shard.name} of {out_dir}" if shard.count > 1 else str(out_dir)
-        log.info("nothing to do: all %d images of %s are committed", planned.images, of)
+        if planned.images:
+            log.info("nothing to do: all %d images of %s are committed", planned.images, of)
+        else:
+            log.info("nothing to do: %s has no image to make (%s)", of, "the plan has fewer batches than shard.count"
+                     if planned.plan.batches else "the manifest has no valid row")
     return todo
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import cpu_job, png, rows, write_manifest
+from pipeline import job as job_module
 from pipeline.demo import demo_table
 from pipeline.job import run
 from pipeline.manifest import ManifestError
@@ -129,6 +130,22 @@ def test_skip_writes_errors_and_generates_the_rest(tmp_path):
     assert [e["id"] for e in errors] == ["odd-size"] and "65" in errors[0]["reason"]
     assert sorted(p.name for p in (tmp_path / "out/images").iterdir()) == ["ok.png", "ok2.png"]
     assert report["images"]["invalid"] == 1 and report["images"]["ok"] == 2
+
+
+def test_a_job_or_shard_with_no_image_to_make_builds_no_model_and_says_why(tmp_path, monkeypatch, caplog):
+    builds = []
+    build = job_module.build
+    monkeypatch.setattr(job_module, "build", lambda *a, **k: builds.append(1) or build(*a, **k))
+    manifest = write_manifest(tmp_path / "bad.parquet", rows(("odd-size", 65, 64, 2)))
+    with caplog.at_level("INFO", logger="pipeline.job"):
+        report = run(cpu_job(manifest, tmp_path / "bad", "manifest.on_invalid=skip"))
+        assert report["images"]["invalid"] == 1 and report["batches"] == 0 and builds == []
+        assert (tmp_path / "bad" / "_SUCCESS").exists() and "has no image to make (the manifest has no valid row)" in caplog.text
+        one = write_manifest(tmp_path / "one.parquet", rows(("a", 64, 64, 1)))
+        parts = [run(cpu_job(one, tmp_path / "two", f"shard.index={i}", "shard.count=2")) for i in (0, 1)]
+    assert sorted(p["images"]["planned"] for p in parts) == [0, 1] and builds == [1]  # the shard with the row
+    assert "has no image to make (the plan has fewer batches than shard.count)" in caplog.text
+    assert (tmp_path / "two" / "_SUCCESS").exists()
 
 
 def test_cuda_absent_means_eager_with_the_reason_in_stats(demo_run):
