@@ -122,8 +122,8 @@ def run(cfg: JobConfig, resolved_config: dict[str, Any] | None = None, adapter: 
         preamble: Preamble | None = None, store: Mirror | None = None, kept: KeptModel | None = None) -> dict[str, Any]:
     """Run the job (or this process's shard of it); returns this part's report as
     parts/shard-*.json holds it (`PartReport.to_dict()`; a shard found finished returns its part
-    as it is, and one whose batches a job of another shard.count committed a part that says so:
-    neither builds the model). User errors raise ValueError subclasses (ManifestError,
+    as it is, and one with no batch left and no part yet a part that says why: neither builds the
+    model). User errors raise ValueError subclasses (ManifestError,
     ResumeConflict, LockedError) before anything is generated; SIGINT/SIGTERM raise
     `Interrupted` once the current batch is committed. `adapter`: a model already built from
     cfg.model (the benchmark's, shared with its diffusers baseline); `preamble`: the seconds the
@@ -180,8 +180,8 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         prepare_output(setup.out_dir, bad)
         stats.startup.lap("prepare")
 
-        # 8. A finished job ends here, before any weights are loaded; so does a shard whose batches a job
-        #    of another shard.count committed, with a part that says it had nothing to do.
+        # 8. A finished job ends here, before any weights are loaded; so does a shard with no batch left and
+        #    no part yet (another shard.count committed its batches, or it has none), with a part that says so.
         if todo == []:
             if not part_path(setup.out_dir, setup.shard.name).is_file():
                 write_part(setup.out_dir, setup.shard, idle_part(cfg, setup, stats, planned, len(bad), ladder.ladder,
@@ -470,9 +470,15 @@ def batches_left(out_dir: Path, planned: ShardPlan | None, manifest: Manifest, b
         if planned.images:
             log.info("nothing to do: all %d images of %s are committed", planned.images, of)
         else:
-            log.info("nothing to do: %s has no image to make (%s)", of, "the plan has fewer batches than shard.count"
-                     if planned.plan.batches else "the manifest has no valid row")
+            log.info("nothing to do: %s has no image to make (%s)", of, why_nothing(planned))
     return todo
+
+
+def why_nothing(planned: ShardPlan) -> str:
+    """Why a shard has no batch left: what its idle part (`idle_part`) and the log say."""
+    if planned.images:
+        return "every batch of this shard was committed earlier"
+    return "the plan has fewer batches than shard.count" if planned.plan.batches else "the manifest has no valid row"
 
 
 def refuse_committed(out_dir: Path, committed: Committed, planned: ShardPlan, manifest: Manifest, bad: list[BadRow],
@@ -511,8 +517,8 @@ def reopen(out_dir: Path, shard: ShardSpec) -> None:
 
 
 def drop_other_counts(out_dir: Path, shard: ShardSpec) -> None:
-    """The parts a job with another shard.count left: stale once a shard of this count runs, also
-    one with nothing to do (else `python -m pipeline.merge` finds parts of two counts)."""
+    """The parts a job with another shard.count left: stale once a shard of this count starts work
+    (`reopen`) or finds it has none (`finish_done`); else `python -m pipeline.merge` finds two counts."""
     for stale in (out_dir / PARTS_DIR).glob("shard-*.json"):
         if not stale.stem.endswith(f"-of-{shard.count:05d}"):
             stale.unlink(missing_ok=True)
@@ -637,13 +643,13 @@ def part_report(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPla
 def idle_part(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan, invalid: int, ladder: list[int],
               fields: dict[str, Any], resolved_config: dict[str, Any] | None) -> PartReport:
     """The part of a shard with no batch left and no part of its own (a job of another shard.count
-    committed its batches), from the configs: no model was built, no graph captured, nothing made."""
+    committed its batches, or it has none to make), from the configs: no model built, nothing made."""
     return PartReport(
         **stats.figures(planned=planned.images, skipped=planned.images, invalid=invalid),
         shard=ShardInfo(index=setup.shard.index, count=setup.shard.count),
         ladder=list(ladder), scope=cfg.bcg.scope, sampler=fields["sampler"], precision=setup.precision,
         device=str(setup.device), model=fields["model"],
-        bcg=EngineMetrics(reason="nothing to do: every batch of this shard was committed earlier").report(),
+        bcg=EngineMetrics(reason=f"nothing to do: {why_nothing(planned)}").report(),
         prompt_cache=PromptCacheCounts(encoded=0, hits=0), writer_busy_s=0.0, gpu_busy=None,
         kernels=setup.plan.to_dict(), ladder_auto=None, versions=library_versions(), config=resolved_config,
     )
@@ -652,7 +658,6 @@ def idle_part(cfg: JobConfig, setup: Setup, stats: RunStats, planned: ShardPlan,
 def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
     (out_dir / PARTS_DIR).mkdir(exist_ok=True)
     report.write(part_path(out_dir, shard.name))
-    drop_other_counts(out_dir, shard)
 
 
 def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> None:
