@@ -94,7 +94,7 @@
 #                                                # (benchmarks/lean_venv.py: a user's fresh venv): PixArt-Sigma's 200 rows
 #                                                # cold, then warm (a cache bench_tiny's 60 rows wrote); FLUX.1-dev float8
 #                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: each job's start-up stages
-#                                                # (after the stage bytecode where the packages lack it)
+#                                                # (after the stage bytecode where the packages lack it; ALONE_MODELS=pixart: those only)
 # The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
 # the job finishes its step first); the *_LIMIT variables below change them.
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
@@ -366,12 +366,16 @@ alone() {  # jobs run alone, as a user's fresh venv runs them: process start to 
   local flux=(+job=bench bench.baseline=false model=flux_dev precision=fp8)
   rm -rf /tmp/alone-cache-*
   export JOB_PYTHON="env -u PYTHONPATH /tmp/lean/bin/python"  # python -m finds the package in the repository root
-  one_job alone_pixart_cold /tmp/alone-cache-pixart-cold "${pixart[@]}"
-  # warm: a cache written by a job on other rows and sizes (bench_tiny's 60), as a later night's job finds it
-  one_job alone_pixart_fill /tmp/alone-cache-pixart +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet
-  one_job alone_pixart_warm /tmp/alone-cache-pixart "${pixart[@]}"
-  one_job alone_flux_cold /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_1024.parquet
-  one_job alone_flux_warm /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_aspects.parquet
+  if [[ " ${ALONE_MODELS:-pixart flux} " == *" pixart "* ]]; then
+    one_job alone_pixart_cold /tmp/alone-cache-pixart-cold "${pixart[@]}"
+    # warm: a cache written by a job on other rows and sizes (bench_tiny's 60), as a later night's job finds it
+    one_job alone_pixart_fill /tmp/alone-cache-pixart +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet
+    one_job alone_pixart_warm /tmp/alone-cache-pixart "${pixart[@]}"
+  fi
+  if [[ " ${ALONE_MODELS:-pixart flux} " == *" flux "* ]]; then
+    one_job alone_flux_cold /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_1024.parquet
+    one_job alone_flux_warm /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_aspects.parquet
+  fi
   unset JOB_PYTHON
 }
 
