@@ -94,7 +94,8 @@
 #                                                # (benchmarks/lean_venv.py: a user's fresh venv): PixArt-Sigma's 200 rows
 #                                                # cold, then warm (a cache bench_tiny's 60 rows wrote); FLUX.1-dev float8
 #                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: each job's start-up stages
-#                                                # (after the stage bytecode where the packages lack it; ALONE_MODELS=pixart: those only)
+#                                                # (after the stage bytecode where the packages lack it; ALONE_MODELS=pixart: those only;
+#                                                # after the stage baseline-200, PixArt's jobs against its saved diffusers run)
 # The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
 # the job finishes its step first); the *_LIMIT variables below change them.
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
@@ -311,10 +312,14 @@ writer_formats() {
   done
 }
 
-cache_200() {
+baseline_200() {  # diffusers' pipeline on the 200-row manifest, saved in /tmp/baseline-200
   rm -rf /tmp/baseline-200
   timeout -s KILL ${BENCH_LIMIT:-240} python3 -m pipeline.run +job=bench bench.baseline_only=true manifest.path=jobs/manifests/bench_small.parquet output.dir=/tmp/baseline-200 > "$BENCH_OUT/baseline_200.log" 2>&1; local code=$?
   echo "== baseline, 200 rows"; rc $code; grep -E "diffusers baseline" "$BENCH_OUT/baseline_200.log" | cut -c1-300; tail_if_failed $code "$BENCH_OUT/baseline_200.log"
+}
+
+cache_200() {
+  baseline_200
   local cold warm ours=(+job=bench bench.baseline_from=/tmp/baseline-200 manifest.path=jobs/manifests/bench_small.parquet)
   cold=$(mktemp -d /tmp/kernels-200-cold.XXXX); warm=$(mktemp -d /tmp/kernels-200-warm.XXXX)
   one_job bench_200_cold $cold "${ours[@]}" "${kernels[@]}"
@@ -362,7 +367,8 @@ alone() {  # jobs run alone, as a user's fresh venv runs them: process start to 
   python3 benchmarks/lean_venv.py /tmp/lean > "$BENCH_OUT/lean_venv.log" 2>&1; local code=$?
   echo "== alone: a venv of the package's requirements"; rc $code; tail -2 "$BENCH_OUT/lean_venv.log" | cut -c1-200
   [ $code = 0 ] || return
-  local pixart=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_small.parquet)
+  local pixart=(+job=bench manifest.path=jobs/manifests/bench_small.parquet bench.baseline=false)
+  [ -d /tmp/baseline-200 ] && pixart[2]=bench.baseline_from=/tmp/baseline-200  # after the stage baseline-200
   local flux=(+job=bench bench.baseline=false model=flux_dev precision=fp8)
   rm -rf /tmp/alone-cache-*
   export JOB_PYTHON="env -u PYTHONPATH /tmp/lean/bin/python"  # python -m finds the package in the repository root
@@ -443,6 +449,7 @@ for what in "${@:-cuda-tests}"; do
     recompiles) recompiles ;;
     writer-formats) writer_formats ;;
     cache-200) cache_200 ;;
+    baseline-200) baseline_200 ;;
     flux-aspects) flux_aspects ;;
     fp8-1000) fp8_1000 ;;
     sweep) sweep ;;
