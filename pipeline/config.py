@@ -408,10 +408,11 @@ def check_choices(cfg: JobConfig) -> None:
 
 
 def check_store_output(cfg: JobConfig) -> None:
-    """An object-store output.dir: its fsspec backend is installed, and no option needs a local one."""
-    from pipeline.store import open_store
+    """An object-store output.dir: its fsspec backend is installed, no option needs a local one, and the
+    store answers (pipeline.store.check_reachable)."""
+    from pipeline.store import check_reachable, open_store
 
-    open_store("output.dir", cfg.output.dir)
+    fs, root = open_store("output.dir", cfg.output.dir)
     for key, value, why in (
         ("output.contact_sheet", cfg.output.contact_sheet, "it reads every image back"),
         ("output.on_conflict", cfg.output.on_conflict == "overwrite", "it rewrites committed shard files in place"),
@@ -421,3 +422,4 @@ def check_store_output(cfg: JobConfig) -> None:
         if value:
             raise UserError(f"{key}: not available with an object-store output.dir ({cfg.output.dir}): {why}; "
                             "use a local output.dir for it, or leave the key at its default")
+    check_reachable("output.dir", cfg.output.dir, fs, root)

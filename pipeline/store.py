@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,13 @@ from pipeline.fsutil import atomic_file
 
 COPY_CHUNK = 8 << 20
 STAGE_ENV = "BCG_STAGE_DIR"  # where object-store jobs stage (default: <tmp>/bcg-datagen-stage)
+# the base errors of the cloud SDKs under fsspec's backends, which those backends let through as they are
+# (no credentials, an endpoint that does not answer); their refusals they mostly turn into OSErrors
+SDK_ERRORS = {"botocore.exceptions": ("BotoCoreError", "ClientError"), "google.auth.exceptions": ("GoogleAuthError",),
+              "azure.core.exceptions": ("AzureError",)}
+# where a backend reads its credentials and endpoint (any: fsspec's FSSPEC_<PROTOCOL>_<OPTION> variables)
+CREDENTIALS = {"s3": "AWS_* variables (AWS_ENDPOINT_URL for another endpoint), ~/.aws or an instance role",
+               "gs": "GOOGLE_APPLICATION_CREDENTIALS or gcloud's login", "az": "AZURE_STORAGE_* variables"}
 
 
 def is_url(value: str | os.PathLike | None) -> bool:
@@ -55,9 +64,54 @@ def open_store(key: str, url: str) -> tuple[Any, str]:
     return fs, path.rstrip("/")
 
 
+def sdk_errors() -> tuple[type[BaseException], ...]:
+    """The base errors of the SDKs that a store's backend has imported (looked up, never imported here)."""
+    found: list[type[BaseException]] = []
+    for module, names in SDK_ERRORS.items():
+        loaded = sys.modules.get(module)
+        found += [getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name)]
+    return tuple(found)
+
+
+def access_errors() -> tuple[type[BaseException], ...]:
+    """What a store's backend raises when the store refuses a request or cannot be reached: OSError
+    and `sdk_errors`."""
+    return (OSError, *sdk_errors())
+
+
+def refused(key: str, url: str, doing: str, err: BaseException) -> UserError:
+    """`key`=`url`: what failed (`doing`), the backend's own words, and where credentials come from."""
+    protocol = url.split("://", 1)[0]
+    where = CREDENTIALS.get(_family(protocol), f"FSSPEC_{protocol.upper()}_<OPTION> variables")
+    return UserError(f"{key}={url}: {doing} failed: {type(err).__name__}: {err}; the store's credentials and "
+                     f"endpoint come from the environment: {where}")
+
+
+@contextmanager
+def reaching(key: str, url: str, doing: str):
+    """The store's refusals and unreachability inside the block as a UserError (`refused`)."""
+    try:
+        yield
+    except access_errors() as err:
+        raise refused(key, url, doing, err) from None
+
+
+def check_reachable(key: str, url: str, fs: Any, path: str) -> None:
+    """One read of the store before the job does anything: it answers, with these credentials. (A
+    bucket that is not there, or one these credentials may not write, is named by the first write,
+    the shard's lock: asking for a bucket itself needs a permission that a prefix's writer may lack.)"""
+    with reaching(key, url, "reading the store"):
+        fs.invalidate_cache(path)
+        fs.exists(path)
+
+
 def _package(protocol: str) -> str:
-    return {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(
-        protocol, f"the fsspec backend for {protocol}")
+    return {"s3": "s3fs", "gs": "gcsfs", "az": "adlfs"}.get(_family(protocol), f"the fsspec backend for {protocol}")
+
+
+def _family(protocol: str) -> str:
+    """A protocol's usual name (`s3a` -> `s3`)."""
+    return {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}.get(protocol, protocol)
 
 
 def stage_root() -> Path:
@@ -95,12 +149,15 @@ def fetch_manifest(url: str) -> Path:
     fs, path = open_store("manifest.path", url)
     try:
         version = stamp(fs, path)
-    except FileNotFoundError:
-        raise UserError(f"manifest.path={url}: no such object") from None
+    except FileNotFoundError as err:
+        raise UserError(f"manifest.path={url}: no such object ({err})") from None
+    except access_errors() as err:
+        raise refused("manifest.path", url, "reading the manifest", err) from None
     local = stage_root() / "manifests" / f"{url_dir(url + repr(version))}.parquet"
     if not local.is_file():
         local.parent.mkdir(parents=True, exist_ok=True)
-        download(fs, path, local)
+        with reaching("manifest.path", url, "downloading the manifest"):
+            download(fs, path, local)
     return local
 
 

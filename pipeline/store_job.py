@@ -21,7 +21,7 @@ from pipeline.config import JobConfig
 from pipeline.kept_model import KeptModel
 from pipeline.report import RunReport
 from pipeline.sharding import ShardSpec
-from pipeline.store import open_store, stage_root, url_dir
+from pipeline.store import check_reachable, open_store, sdk_errors, stage_root, url_dir
 from pipeline.store_lock import StoreLock
 from pipeline.store_sync import Mirror
 
@@ -50,10 +50,12 @@ def run_store_shard(job: JobConfig, resolved: dict[str, Any] | None, wait_s: flo
         mirror.start()
         try:
             part = run(staged, resolved, store=mirror, kept=kept)
-        except BaseException:  # stopped or failed: what it committed goes up first, then its error
+        except BaseException as err:  # stopped or failed: what it committed goes up first, then its error
             error = mirror.stop()
             if error is not None:
                 log.error("uploading to %s failed as well: %s", url, error)
+            if isinstance(err, sdk_errors()):  # the store stopped answering while the job merged there
+                raise WriteError(f"{url}: the store stopped answering: {type(err).__name__}: {err}") from err
             raise
         error = mirror.stop()
         if error is not None:
@@ -78,4 +80,6 @@ def finished_store(url: str, config: dict[str, Any]) -> bool:
 
 def merge_store(url: str, count: int | None = None) -> RunReport:
     """`pipeline.merge.merge` for a store (IncompleteError naming the missing shards)."""
-    return mirror_of(url, "merge").merge(count)
+    mirror = mirror_of(url, "merge")
+    check_reachable("output.dir", url, mirror.fs, mirror.root)
+    return mirror.merge(count)

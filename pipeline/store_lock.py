@@ -27,6 +27,7 @@ from typing import Any
 
 from pipeline.guard import LockedError, process_running
 from pipeline.sharding import ShardSpec
+from pipeline.store import access_errors, reaching
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class StoreLock:
         self._renewer: threading.Thread | None = None
 
     def __enter__(self) -> "StoreLock":
+        with reaching("output.dir", self.url, f"taking the lock {self.url}/{PREFIX}{self.shard.name}"):
+            return self._take()
+
+    def _take(self) -> "StoreLock":
         deadline = time.time() + self.wait_s
         while True:
             holder = self._blocking_holder()
@@ -110,7 +115,7 @@ class StoreLock:
         while not self._stop.wait(LEASE_S / 3):
             try:
                 self._write()
-            except OSError as err:  # the store is unreachable for now: the next renewal tries again
+            except access_errors() as err:  # the store is unreachable for now: the next renewal tries again
                 log.warning("renewing the lock %s failed (%s); retrying in %.0f s", self.path, err, LEASE_S / 3)
 
 

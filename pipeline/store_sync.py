@@ -35,7 +35,7 @@ from pipeline.layouts import IMAGE_FIELD, IMAGES_DIR, SHARDS_DIR, STAGING_DIR, w
 from pipeline.merge import FAILED, PARTS_DIR, check_complete, merge, read_parts
 from pipeline.report import RunReport
 from pipeline.shard_files import INDEX_KEY
-from pipeline.store import download
+from pipeline.store import access_errors, download
 
 LOCK_PREFIX = ".lock"  # the store's lease objects (pipeline.store_lock) and the stage's flock files (pipeline.guard)
 
@@ -110,7 +110,7 @@ class Mirror:
         try:
             self.sync()
             self.sync()
-        except OSError as err:
+        except access_errors() as err:
             return err
         return None
 
@@ -119,7 +119,7 @@ class Mirror:
         while not self._stop.wait(SYNC_S):
             try:
                 self.sync()
-            except OSError as err:  # the store unreachable for now: the job goes on locally, stop() tries last
+            except access_errors() as err:  # the store unreachable for now: the job goes on locally, stop() tries last
                 if not failing:
                     log.warning("uploading to %s failed (%s); trying again every %.0f s", self.url, err, SYNC_S)
                 failing = True

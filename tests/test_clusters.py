@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import cpu_job, rows, run_cli, write_manifest
+from conftest import cpu_job, one_error_line, rows, run_cli, write_manifest
 from pipeline.errors import UserError
 from pipeline.guard import LockedError
 from pipeline.merge import main as merge_main
@@ -154,6 +154,61 @@ def test_s3_output_resumes_from_the_store_and_its_lock_refuses_another_job(tmp_p
     assert sorted(p.rsplit("/", 1)[1] for p in objects(fs, "data/ds/parts")) == [
         "shard-00000-of-00002.json", "shard-00001-of-00002.json"]
     assert merge_main(["output.dir=s3://data/ds"]) == 0
+
+
+def test_a_store_that_refuses_or_does_not_answer_is_one_line_at_start_and_an_exit_3_mid_job(tmp_path, s3, monkeypatch):
+    """Missing credentials, a bucket that is not there: one line naming the key and the cause, before any
+    model is built or object written, for output.dir, manifest.path and pipeline.merge. A store that stops answering while a job
+    runs: a write error naming the URL (exit 3), and the same job later finishes the dataset."""
+    import botocore.exceptions
+    import s3fs
+
+    from pipeline.config import check_store_output
+    from pipeline.launch import run_shard
+    from pipeline.run import user_outcome
+    from pipeline.store import fetch_manifest
+
+    fs, _ = s3
+    manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"a{k}", 64, 64, k) for k in range(3)]))
+    fs.put_file(str(manifest), "data/in/m.parquet")
+    check_store_output(cpu_job(manifest, "s3://nobucket/ds"))  # read: nothing there yet
+    with pytest.raises(UserError, match=r"output.dir=s3://nobucket/ds: taking the lock .* failed: FileNotFoundError: "
+                                        r"The specified bucket does not exist"):
+        run_shard(cpu_job(manifest, "s3://nobucket/ds"), None)
+    with pytest.raises(UserError, match=r"manifest.path=s3://nobucket/m.parquet: no such object \(.*bucket"):
+        fetch_manifest("s3://nobucket/m.parquet")
+
+    # a store that stops answering: every upload refused from the job's first on
+    async def unreachable(*args, **kwargs):
+        raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    job = cpu_job(manifest, "s3://data/ds", "bcg.ladder=[1]")
+    with monkeypatch.context() as patch:
+        patch.setattr(s3fs.S3FileSystem, "_put_file", unreachable)
+        s3fs.S3FileSystem.clear_instance_cache()  # the job's filesystem takes the patched method
+        with pytest.raises(Exception) as stopped:
+            run_shard(job, None)
+    s3fs.S3FileSystem.clear_instance_cache()
+    status, line = user_outcome(stopped.value)
+    assert status == 3 and "s3://data/ds" in line and "EndpointConnectionError" in line, line
+    assert run_shard(job, None)["images"]["ok"] == 3 and fs.exists("data/ds/_SUCCESS")
+
+    # no credentials anywhere
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(UserError, match=r"manifest.path=s3://data/in/m.parquet: reading the manifest failed: "
+                                        r"NoCredentialsError: .*AWS_\* variables"):
+        fetch_manifest("s3://data/in/m.parquet")
+    assert merge_main(["output.dir=s3://data/ds"]) == 2
+    proc = run_cli("+job=dataset", f"manifest.path={manifest}", "output.dir=s3://data/other", cwd=tmp_path,
+                   env={"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "output.dir=s3://data/other: reading the store failed: NoCredentialsError" in line
+    assert not any(tmp_path.glob("outputs")) and not fs.exists("data/other")
 
 
 @pytest.mark.parametrize("url, package", [("gs://bucket/ds", "gcsfs"), ("nosuch://bucket/ds", "Protocol not known")])
