@@ -182,4 +182,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # `python -m` runs this file as __main__, a second copy of the module: the package's own (whose
+    # IncompleteError the merge raises) catches what the merge raises
+    from pipeline.merge import main as package_main
+
+    sys.exit(package_main(sys.argv[1:]))

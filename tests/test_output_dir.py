@@ -202,3 +202,6 @@ def test_merge_with_a_shard_missing_is_incomplete(tmp_path, capsys):
     part(1, 2).write(tmp_path / PARTS_DIR / "shard-00001-of-00002.json")
     assert merge_main([f"output.dir={tmp_path}"]) == ExitCode.INCOMPLETE
     assert "1 of 2 shards not complete yet: [0]" in capsys.readouterr().err
+    # as the user types it: `python -m` runs the module as __main__, whose errors must still be the package's
+    proc = run_python("-m", "pipeline.merge", f"output.dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == ExitCode.INCOMPLETE and "1 of 2 shards not complete yet: [0]" in one_error_line(proc)
