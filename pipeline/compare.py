@@ -39,6 +39,9 @@ def compare_one(row_id: str, data_a: bytes, data_b: bytes) -> dict:
 
 def compare(dir_a: Path, dir_b: Path, per_image: bool = False) -> dict:
     """The summary; with `per_image`, each image's row too (under "per_image")."""
+    for directory in (dir_a, dir_b):
+        if not Path(directory).is_dir():
+            raise UserError(f"{directory}: no such directory (give two jobs' output.dir)")
     images_a, images_b = read_images(dir_a), read_images(dir_b)
     ids = sorted(set(images_a) & set(images_b))
     if not ids:

@@ -218,6 +218,8 @@ def test_image_comparison_reports_psnr_and_worst_difference(tmp_path, layout):
     expected_psnr = 10 * np.log10(255.0**2 / (8.0**2 / base[0].size))
     assert result["images"] == 3 and result["identical"] == 2 and result["max_levels"] == 8
     assert abs(result["min_psnr_db"] - expected_psnr) < 0.01
+    with pytest.raises(UserError, match=r"/nope: no such directory"):
+        compare(tmp_path / "a", tmp_path / "nope")
 
 
 def test_bench_baseline_saved_then_compared_from_another_process(tmp_path, manifest, monkeypatch):
