@@ -93,6 +93,15 @@ def parse(overrides: Sequence[str]) -> list[Override]:
     return parsed
 
 
+def group_choice(overrides: Sequence[str], group: str) -> str | None:
+    """The option the command line gives config group `group` (`hydra/launcher=slurm` -> "slurm"; the
+    last one given), or None."""
+    for o in reversed(parse(overrides)):
+        if o.key_or_group == group and not o.is_delete() and not o.is_sweep_override():
+            return str(o.value())
+    return None
+
+
 def values(o: Override) -> list[Any]:
     """The values an override sets: one, or each of a choice or range sweep (others: none to check)."""
     if not o.is_sweep_override():

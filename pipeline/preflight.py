@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -43,6 +44,23 @@ def check_run(job: JobConfig, resolved: dict[str, Any]) -> None:
 
     with quiet_logs():
         check(job, builds_here=job.cluster.name != "ray")  # Ray's shards build the model on its workers
+
+
+SLURM_LAUNCHERS = ("slurm", "submitit_slurm")  # hydra/launcher choices that submit with Slurm's commands
+SLURM_COMMANDS = ("sbatch", "srun")
+
+
+def check_launcher(choice: str | None) -> None:
+    """A multirun's hydra/launcher that submits to Slurm: its plugin installed, and Slurm's commands on
+    this machine (submitit needs them, and otherwise fails inside Hydra with a traceback)."""
+    if choice not in SLURM_LAUNCHERS:
+        return
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        raise UserError(f"hydra/launcher={choice} needs Hydra's submitit launcher: pip install 'bcg-datagen[slurm]'")
+    missing = [command for command in SLURM_COMMANDS if shutil.which(command) is None]
+    if missing:
+        raise UserError(f"hydra/launcher={choice} submits to Slurm, whose {' and '.join(missing)} this machine does not "
+                        "have: run the command on a Slurm login node, or hydra/launcher=local_gpus for this host's GPUs")
 
 
 def check_torch_build(device: str) -> None:

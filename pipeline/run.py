@@ -45,9 +45,9 @@ try:  # a Ctrl-C while these load (hydra's import is most of the command's first
     from pipeline.guard import Interrupted, interrupts_remembered
     from pipeline.kept_model import KeptModel
     from pipeline.launch import finished, launch
-    from pipeline.overrides import check_overrides
+    from pipeline.overrides import check_overrides, group_choice
     from pipeline.paths import CONF_DIR, absolute, check_writable_dir
-    from pipeline.preflight import check_run
+    from pipeline.preflight import check_launcher, check_run
 
     register_configs()
 except KeyboardInterrupt:
@@ -96,6 +96,8 @@ def preflight(argv: list[str]) -> None:
     args = get_args_parser().parse_args(argv)
     config_dirs = [CONF_DIR] + ([Path(args.config_dir)] if args.config_dir else [])
     check_overrides(args.overrides, config_dirs)
+    if args.multirun:
+        check_launcher(group_choice(args.overrides, "hydra/launcher"))
     elsewhere = args.multirun or args.config_dir or args.config_path or args.experimental_rerun
     if args.cfg == "job" and not elsewhere and not args.package:
         show_job_config(compose_config(args), args.resolve)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from conftest import cpu_job, rows, run_benchmark, write_manifest
 from pipeline.job import run
 from pipeline.manifest import Item
+from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.merge import main as merge_main
 from pipeline.planner import make_plan
@@ -131,6 +134,31 @@ def test_sharded_multirun_through_submitit_local_equals_one_process(tmp_path):
     assert stats["images"]["ok"] == 8 and sorted(s["shard"]["index"] for s in stats["shards"]) == [0, 1]
     for image in (tmp_path / "single" / "images").iterdir():
         assert (sharded / "images" / image.name).read_bytes() == image.read_bytes(), image.name
+
+
+def test_slurm_launcher_off_a_slurm_machine_is_one_line_before_anything_runs(tmp_path, monkeypatch):
+    import shutil
+
+    from conftest import one_error_line, run_cli
+    from pipeline import preflight
+
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 0)))
+    proc = run_cli("-m", "+job=dataset", f"manifest.path={manifest}", f"output.dir={tmp_path / 'ds'}", "shard.count=2",
+                   "shard.index=range(2)", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", cwd=tmp_path,
+                   env={"PATH": os.path.dirname(sys.executable)})  # no Slurm command on it
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and line.startswith("error: hydra/launcher=slurm ") and ("pip install" in line or "srun" in line)
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "multirun").exists()
+    # each refusal, whichever this machine gives
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"hydra/launcher=submitit_slurm needs .*pip install 'bcg-datagen\[slurm\]'"):
+        preflight.check_launcher("submitit_slurm")
+    monkeypatch.undo()
+    if preflight.importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None:
+        monkeypatch.setattr(shutil, "which", lambda name: None if name == "srun" else f"/usr/bin/{name}")
+        with pytest.raises(UserError, match=r"whose srun this machine does not have: run the command on a Slurm login"):
+            preflight.check_launcher("slurm")
+    preflight.check_launcher("local_gpus")  # not Slurm's: nothing to check
 
 
 @pytest.mark.slow
