@@ -102,6 +102,11 @@ def group_choice(overrides: Sequence[str], group: str) -> str | None:
     return None
 
 
+def fixed_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides that are not sweeps: what every job of a multirun composes alike."""
+    return [o.input_line for o in parse(overrides) if not o.is_sweep_override() and o.input_line is not None]
+
+
 def values(o: Override) -> list[Any]:
     """The values an override sets: one, or each of a choice or range sweep (others: none to check)."""
     if not o.is_sweep_override():

@@ -36,7 +36,7 @@ try:  # a Ctrl-C while these load (hydra's import is most of the command's first
     from hydra._internal.utils import get_args_parser
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
     from omegaconf import DictConfig, OmegaConf, open_dict
 
     from pipeline.completion import SUCCESS
@@ -45,7 +45,7 @@ try:  # a Ctrl-C while these load (hydra's import is most of the command's first
     from pipeline.guard import Interrupted, interrupts_remembered
     from pipeline.kept_model import KeptModel
     from pipeline.launch import finished, launch
-    from pipeline.overrides import check_overrides, group_choice
+    from pipeline.overrides import check_overrides, fixed_overrides, group_choice, unknown
     from pipeline.paths import CONF_DIR, absolute, check_writable_dir
     from pipeline.preflight import check_launcher, check_run
 
@@ -96,9 +96,11 @@ def preflight(argv: list[str]) -> None:
     args = get_args_parser().parse_args(argv)
     config_dirs = [CONF_DIR] + ([Path(args.config_dir)] if args.config_dir else [])
     check_overrides(args.overrides, config_dirs)
+    elsewhere = args.multirun or args.config_dir or args.config_path or args.experimental_rerun
     if args.multirun:
         check_launcher(group_choice(args.overrides, "hydra/launcher"))
-    elsewhere = args.multirun or args.config_dir or args.config_path or args.experimental_rerun
+        if not (args.config_dir or args.config_path or args.experimental_rerun):
+            compose_config(args, fixed_overrides(args.overrides))  # what every job composes (Hydra's groups too)
     if args.cfg == "job" and not elsewhere and not args.package:
         show_job_config(compose_config(args), args.resolve)
     shows_only = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
@@ -115,11 +117,19 @@ def preflight(argv: list[str]) -> None:
     check_run(job, OmegaConf.to_container(cfg, resolve=True))
 
 
-def compose_config(args) -> DictConfig:
-    """The config Hydra will compose for these arguments (with its `hydra` node), or a UserError."""
+def compose_config(args, overrides: list[str] | None = None) -> DictConfig:
+    """The config Hydra will compose for these arguments (`overrides`: these instead of the command
+    line's), with its `hydra` node, or a UserError."""
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="run"):
-            return compose(args.config_name or CONFIG_NAME, overrides=args.overrides, return_hydra_config=True)
+            return compose(args.config_name or CONFIG_NAME, overrides=args.overrides if overrides is None else overrides,
+                           return_hydra_config=True)
+    except MissingConfigException as err:  # a misspelt option of one of Hydra's own groups (hydra/launcher=...)
+        if err.options and err.missing_cfg_file and "/" in err.missing_cfg_file:
+            group, option = err.missing_cfg_file.rsplit("/", 1)
+            raise unknown("option", option, err.options, of=group,
+                          hint="choose one of " + ", ".join(sorted(err.options))) from None
+        raise UserError(" ".join(line.strip() for line in str(err).splitlines() if line.strip())) from None
     except HydraException as err:  # e.g. `job=demo` without the `+`: Hydra's message says what to do
         lines = str(err).splitlines() + (str(err.__cause__).splitlines()[:1] if err.__cause__ else [])
         raise UserError(" ".join(line.strip() for line in lines if line.strip())) from None

@@ -37,6 +37,7 @@ TINY_CPU = ("precision=fp32", "runtime.device=cpu", "runtime.progress=false", "s
     ("+outptu.dir=x", "unknown config key 'outptu.dir'; did you mean 'output.dir'?"),
     ("bcg/ladderr=pow2_8", "unknown config group 'bcg/ladderr'; did you mean 'bcg/ladder'?"),
     ("+job=dem", "unknown option 'dem' for job; did you mean 'demo'?"),
+    ("hydra/launcher=local_gpu", "unknown option 'local_gpu' for hydra/launcher; did you mean 'local_gpus'?"),
     ("sampler.steps=many", "sampler.steps='many' is not accepted; expected an integer or null"),
     ("kernels.plan=fastt", "kernels.plan='fastt' is not accepted; choose one of ['auto', 'eager', 'compiled', 'fast', "
                            "'fast-fp8', 'sd3', 'sd3-fp8', 'flux', 'flux-fp8']; did you mean 'fast'?"),
@@ -51,6 +52,14 @@ def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override,
     assert proc.returncode == ExitCode.USER_ERROR
     assert one_error_line(proc) == f"error: {message}"
     assert not list(tmp_path.iterdir())  # no run directory left behind
+
+
+def test_a_multirun_with_a_misspelt_launcher_fails_at_start_in_one_line(tmp_path):
+    proc = run_cli("-m", "+job=dataset", "manifest.path=m.parquet", "shard.count=2", "shard.index=0,1",
+                   "hydra/launcher=local_gpu", cwd=tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR
+    assert one_error_line(proc) == "error: unknown option 'local_gpu' for hydra/launcher; did you mean 'local_gpus'?"
+    assert not list(tmp_path.iterdir())  # no multirun directory left behind
 
 
 @pytest.mark.parametrize(("override", "expected"), [
