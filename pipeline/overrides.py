@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
-from hydra.errors import OverrideParseException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
@@ -102,9 +102,19 @@ def group_choice(overrides: Sequence[str], group: str) -> str | None:
     return None
 
 
-def fixed_overrides(overrides: Sequence[str]) -> list[str]:
-    """The overrides that are not sweeps: what every job of a multirun composes alike."""
-    return [o.input_line for o in parse(overrides) if not o.is_sweep_override() and o.input_line is not None]
+def first_job(overrides: Sequence[str]) -> list[str]:
+    """A multirun's first job's overrides: each sweep's first value, as Hydra's basic sweeper writes it
+    (a sweep it cannot enumerate here, `glob` or `interval`, left out: its group's or key's default)."""
+    lines = []
+    for o in parse(overrides):
+        if not o.is_sweep_override():
+            lines.append(o.input_line)
+            continue
+        try:
+            lines.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+        except HydraException:  # "Can only enumerate CHOICE and RANGE sweeps", or a glob without a config loader
+            continue
+    return [line for line in lines if line is not None]
 
 
 def values(o: Override) -> list[Any]:

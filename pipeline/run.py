@@ -45,7 +45,7 @@ try:  # a Ctrl-C while these load (hydra's import is most of the command's first
     from pipeline.guard import Interrupted, interrupts_remembered
     from pipeline.kept_model import KeptModel
     from pipeline.launch import finished, launch
-    from pipeline.overrides import check_overrides, fixed_overrides, group_choice, unknown
+    from pipeline.overrides import check_overrides, first_job, group_choice, unknown
     from pipeline.paths import CONF_DIR, absolute, check_writable_dir
     from pipeline.preflight import check_launcher, check_run
 
@@ -100,7 +100,7 @@ def preflight(argv: list[str]) -> None:
     if args.multirun:
         check_launcher(group_choice(args.overrides, "hydra/launcher"))
         if not (args.config_dir or args.config_path or args.experimental_rerun):
-            compose_config(args, fixed_overrides(args.overrides))  # what every job composes (Hydra's groups too)
+            compose_config(args, first_job(args.overrides))  # as its first job composes (Hydra's groups too)
     if args.cfg == "job" and not elsewhere and not args.package:
         show_job_config(compose_config(args), args.resolve)
     shows_only = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion

@@ -21,7 +21,7 @@ from conftest import REPO, imported, one_error_line, rows, run_cli, run_python, 
 from pipeline.config import resolve_job
 from pipeline.exit_codes import README_BEGIN, README_END, ExitCode
 from pipeline.guard import Interrupted, StopSignals, interrupts_remembered
-from pipeline.overrides import check_overrides
+from pipeline.overrides import check_overrides, first_job
 from pipeline import paths
 from pipeline.paths import CONF_DIR, check_writable_dir
 from pipeline.preflight import torch_version_module
@@ -60,6 +60,9 @@ def test_a_multirun_with_a_misspelt_launcher_fails_at_start_in_one_line(tmp_path
     assert proc.returncode == ExitCode.USER_ERROR
     assert one_error_line(proc) == "error: unknown option 'local_gpu' for hydra/launcher; did you mean 'local_gpus'?"
     assert not list(tmp_path.iterdir())  # no multirun directory left behind
+    # what that check composes: the first job, as Hydra's sweeper makes it
+    assert first_job(["model=tiny,digits", "shard.index=range(2)", "+x='a b'", "p='c d',e", "lr=interval(0,1)"]) == [
+        "model=tiny", "shard.index=0", "+x='a b'", "p='c d'"]
 
 
 @pytest.mark.parametrize(("override", "expected"), [
