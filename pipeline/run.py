@@ -124,13 +124,11 @@ def compose_config(args, overrides: list[str] | None = None) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="run"):
             return compose(args.config_name or CONFIG_NAME, overrides=args.overrides if overrides is None else overrides,
                            return_hydra_config=True)
-    except MissingConfigException as err:  # a misspelt option of one of Hydra's own groups (hydra/launcher=...)
-        if err.options and err.missing_cfg_file and "/" in err.missing_cfg_file:
-            group, option = err.missing_cfg_file.rsplit("/", 1)
+    except HydraException as err:  # e.g. `job=demo` without the `+`: Hydra's message says what to do
+        if isinstance(err, MissingConfigException) and err.options and "/" in (err.missing_cfg_file or ""):
+            group, option = err.missing_cfg_file.rsplit("/", 1)  # a misspelt option of Hydra's own groups (hydra/launcher)
             raise unknown("option", option, err.options, of=group,
                           hint="choose one of " + ", ".join(sorted(err.options))) from None
-        raise UserError(" ".join(line.strip() for line in str(err).splitlines() if line.strip())) from None
-    except HydraException as err:  # e.g. `job=demo` without the `+`: Hydra's message says what to do
         lines = str(err).splitlines() + (str(err.__cause__).splitlines()[:1] if err.__cause__ else [])
         raise UserError(" ".join(line.strip() for line in lines if line.strip())) from None
 
