@@ -221,8 +221,11 @@ PATH_KEYS = ("manifest.path", "model.path", "output.dir", "bench.baseline_from",
 
 
 def output_dir_or(default: str, *, _root_: DictConfig) -> str:
-    """`${output_dir_or:...}` (hydra.run.dir): output.dir where it is a local path, else `default`."""
-    return default if _root_.output.dir is None or is_url(_root_.output.dir) else local_path(_root_.output.dir)
+    """`${output_dir_or:...}` (hydra.run.dir): output.dir where it is a local path (`~` expanded, as
+    pipeline.paths.absolute does for the job), else `default`."""
+    if _root_.output.dir is None or is_url(_root_.output.dir):
+        return default
+    return os.path.expanduser(local_path(_root_.output.dir))
 
 
 def dirname(text: str) -> str:

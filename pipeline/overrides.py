@@ -88,8 +88,10 @@ def parse(overrides: Sequence[str]) -> list[Override]:
         try:
             parsed += parser.parse_overrides([line])
         except OverrideParseException as err:
+            tilde = "=" in line and "~" in line.split("=", 1)[1]  # Hydra's grammar takes ~ only quoted
+            home = " (a value with ~ in it is quoted: 'output.dir=\"~/ds\"')" if tilde else ""
             raise UserError(f"cannot read the override {line!r}: {str(err).splitlines()[0]} "
-                            "(key=value, +key=value to add, ~key to delete)") from None
+                            f"(key=value, +key=value to add, ~key to delete){home}") from None
     return parsed
 
 

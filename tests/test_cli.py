@@ -54,6 +54,19 @@ def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override,
     assert not list(tmp_path.iterdir())  # no run directory left behind
 
 
+def test_a_home_relative_output_dir_is_the_home_folder_for_hydras_files_too(tmp_path):
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    manifest = write_manifest(tmp_path / "m.parquet", rows(("a", 64, 64, 0)))
+    proc = run_cli("+job=dataset", f"manifest.path={manifest}", 'output.dir="~/ds"', *TINY_CPU, "model=tiny", cwd=work,
+                   env={"HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (home / "ds" / "_SUCCESS").exists() and (home / "ds" / ".hydra").is_dir()
+    assert not list(work.iterdir())  # no folder named ~ where the command ran
+    unquoted = run_cli("+job=dataset", f"manifest.path={manifest}", "output.dir=~/ds", cwd=work, env={"HOME": str(home)})
+    assert unquoted.returncode == 2 and """quoted: 'output.dir="~/ds"'""" in one_error_line(unquoted)
+
+
 def test_a_multirun_with_a_misspelt_launcher_fails_at_start_in_one_line(tmp_path):
     proc = run_cli("-m", "+job=dataset", "manifest.path=m.parquet", "shard.count=2", "shard.index=0,1",
                    "hydra/launcher=local_gpu", cwd=tmp_path)
