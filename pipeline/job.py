@@ -526,16 +526,18 @@ def drop_other_counts(out_dir: Path, shard: ShardSpec) -> None:
 
 def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> dict[str, Any]:
     """A finished job run again: its part as it is, the parts of another shard.count dropped;
-    stats.json and _SUCCESS (once every shard is in) and the contact sheet are written only where
-    missing."""
+    stats.json and _SUCCESS (once every shard is in) and the contact sheet (of a complete job) are
+    written only where missing."""
     drop_other_counts(out_dir, shard)
-    if not ((out_dir / STATS).is_file() and (out_dir / SUCCESS).is_file()):
+    complete = (out_dir / STATS).is_file() and (out_dir / SUCCESS).is_file()
+    if not complete:
         try:
             store.merge(shard.count) if store else merge(out_dir, shard.count)
             log.info("%s complete (%s and %s written)", store.url if store else out_dir, STATS, SUCCESS)
+            complete = True
         except IncompleteError as err:
             log.info("%s", err)
-    if contact_sheet and not (out_dir / CONTACT_SHEET).is_file():
+    if contact_sheet and complete and not (out_dir / CONTACT_SHEET).is_file():
         log.info("contact sheet: %s", write_contact_sheet(out_dir))
     return PartReport.read(part_path(out_dir, shard.name)).to_dict()
 
@@ -667,9 +669,9 @@ def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: b
         merged = store.merge(shard.count) if store else merge(out_dir, shard.count)
         where = f"{store.url if store else out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
     except IncompleteError as err:
-        where = str(err)
+        merged, where = None, str(err)
     say_summary(report.images, report.wall_s, where)
-    if contact_sheet:
+    if contact_sheet and merged is not None:  # the whole job's images, by the shard that completes it
         log.info("contact sheet: %s", write_contact_sheet(out_dir))
 
 

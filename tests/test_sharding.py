@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from conftest import cpu_job, rows, run_benchmark, write_manifest
 from pipeline.job import run
 from pipeline.manifest import Item
+from pipeline.contact_sheet import CONTACT_SHEET
 from pipeline.errors import UserError
 from pipeline.exit_codes import ExitCode
 from pipeline.merge import main as merge_main
@@ -96,12 +97,13 @@ def test_two_shards_in_turn_equal_one_process_and_merge_once_both_are_in(tmp_pat
     manifest = write_manifest(tmp_path / "m.parquet", rows(*[(f"a{k}", 64, 64, k) for k in range(7)], *[(f"b{k}", 96, 64, 10 + k) for k in range(5)]))
     run(cpu_job(manifest, tmp_path / "single"))
     sharded = tmp_path / "sharded"
-    run(cpu_job(manifest, sharded, "shard.index=1", "shard.count=2"))
+    run(cpu_job(manifest, sharded, "shard.index=1", "shard.count=2", "output.contact_sheet=true"))
     assert not (sharded / "_SUCCESS").exists() and not (sharded / "stats.json").exists()
+    assert not (sharded / CONTACT_SHEET).exists()  # a sheet of every image, so only once the job is complete
     assert merge_main([f"output.dir={sharded}"]) == ExitCode.INCOMPLETE
     assert "1 of 2 shards not complete yet: [0]" in capsys.readouterr().err
-    run(cpu_job(manifest, sharded, "shard.index=0", "shard.count=2"))
-    assert (sharded / "_SUCCESS").exists()
+    run(cpu_job(manifest, sharded, "shard.index=0", "shard.count=2", "output.contact_sheet=true"))
+    assert (sharded / "_SUCCESS").exists() and (sharded / CONTACT_SHEET).is_file()
     stats = json.loads((sharded / "stats.json").read_text())
     assert stats["images"]["ok"] == 12 and len(stats["shards"]) == 2
     assert all(s["images"]["ok"] > 0 for s in stats["shards"])
