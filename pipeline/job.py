@@ -51,7 +51,8 @@ from pipeline.process_state import job_scope
 from pipeline.kept_model import KeptModel, model_key, not_keepable
 from pipeline.profiling import BatchProfile
 from pipeline.prompts import PromptCache, encoding_digest, planned_prompts, prompt_cache
-from pipeline.report import GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, ShardInfo, summary_line
+from pipeline.report import (GpuBusyReport, ImageCounts, OutputReport, PartReport, PromptCacheCounts, RunReport,
+                             ShardInfo, summary_line)
 from pipeline.startup import Preamble, StartupClock, job_ended, say_imported_from_source
 from pipeline.stats import RunStats, library_versions
 from pipeline.samplers import check_sampler_fits
@@ -531,15 +532,21 @@ def finish_done(out_dir: Path, shard: ShardSpec, contact_sheet: bool, store: Mir
     drop_other_counts(out_dir, shard)
     complete = (out_dir / STATS).is_file() and (out_dir / SUCCESS).is_file()
     if not complete:
-        try:
-            store.merge(shard.count) if store else merge(out_dir, shard.count)
-            log.info("%s complete (%s and %s written)", store.url if store else out_dir, STATS, SUCCESS)
-            complete = True
-        except IncompleteError as err:
-            log.info("%s", err)
+        merged, missing = merge_all(out_dir, shard, store)
+        complete = merged is not None
+        log.info("%s", f"{store.url if store else out_dir} complete ({STATS} and {SUCCESS} written)" if complete else missing)
     if contact_sheet and complete and not (out_dir / CONTACT_SHEET).is_file():
         log.info("contact sheet: %s", write_contact_sheet(out_dir))
     return PartReport.read(part_path(out_dir, shard.name)).to_dict()
+
+
+def merge_all(out_dir: Path, shard: ShardSpec, store: Mirror | None) -> tuple[RunReport | None, str]:
+    """Every shard's part merged (in `store`, where it stages one) -> (the run's report, ""), or
+    (None, which shards are missing)."""
+    try:
+        return (store.merge(shard.count) if store else merge(out_dir, shard.count)), ""
+    except IncompleteError as err:
+        return None, str(err)
 
 
 def text_lengths(built: Built, todo: list[Batch], prompts: PromptCache) -> dict[str, int | None]:
@@ -665,11 +672,9 @@ def write_part(out_dir: Path, shard: ShardSpec, report: PartReport) -> None:
 def finish(out_dir: Path, report: PartReport, shard: ShardSpec, contact_sheet: bool, store: Mirror | None = None) -> None:
     """Merge when every shard is in (in `store`, where it stages one); otherwise say which are
     missing. One summary line either way."""
-    try:
-        merged = store.merge(shard.count) if store else merge(out_dir, shard.count)
-        where = f"{store.url if store else out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
-    except IncompleteError as err:
-        merged, where = None, str(err)
+    merged, missing = merge_all(out_dir, shard, store)
+    where = (f"{store.url if store else out_dir} complete ({SUCCESS} written, {merged.images.ok} images ok in all)"
+             if merged is not None else missing)
     say_summary(report.images, report.wall_s, where)
     if contact_sheet and merged is not None:  # the whole job's images, by the shard that completes it
         log.info("contact sheet: %s", write_contact_sheet(out_dir))
