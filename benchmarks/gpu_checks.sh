@@ -91,6 +91,7 @@
 #                                                # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels;
 #                                                # SHARDS_ARGS="--launcher ray": cluster=ray, a Ray task per GPU, needs .[ray])
 #   bash benchmarks/gpu_checks.sh alone          # jobs run alone in a venv of the package's requirements only
+#     (PROFILE_JOBS="alone_pixart_warm alone_flux_warm": those jobs under cProfile, NAME.prof and NAME.prof.txt)
 #                                                # (benchmarks/lean_venv.py: a user's fresh venv): PixArt-Sigma's 200 rows
 #                                                # cold, then warm (a cache bench_tiny's 60 rows wrote); FLUX.1-dev float8
 #                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: each job's start-up stages
@@ -336,10 +337,12 @@ cache_200() {
 one_job() {
   local name=$1 cache=$2 code start; start=$(date +%s.%N); shift 2
   rm -rf /tmp/bench-$name
-  BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} ${JOB_PYTHON:-python3} -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
+  local prof=(); [[ " ${PROFILE_JOBS:-} " == *" $name "* ]] && prof=(-m cProfile -o "$BENCH_OUT/$name.prof")
+  BCG_CACHE_DIR=$cache timeout -s KILL ${BENCH_LIMIT:-300} ${JOB_PYTHON:-python3} "${prof[@]}" -m pipeline.run output.dir=/tmp/bench-$name "$@" > "$BENCH_OUT/$name.log" 2>&1; code=$?
   cp /tmp/bench-$name/stats.json "$BENCH_OUT/${name}_stats.json" 2>/dev/null; cp /tmp/bench-$name/bench.json "$BENCH_OUT/${name}_bench.json" 2>/dev/null
   bench_summary "$name: the process took $(since $start) s" $code "$BENCH_OUT/$name.log"
   python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
+  [ ${#prof[@]} = 0 ] || python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(r'pipeline|bcg|diffusers|transformers|torch/(cuda|_dynamo/aot|_inductor/codecache)', 45)" "$BENCH_OUT/$name.prof" 2>&1 | grep -E '^ +[0-9]' | cut -c1-180 > "$BENCH_OUT/$name.prof.txt"
 }
 
 fp8_1000() {  # the 1,000-row bench's images/s in float8 against the fast plan's, and the images' PSNR
