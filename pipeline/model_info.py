@@ -106,11 +106,35 @@ def _guidance_embeds(model: Any) -> bool:
 def _index(path: str | None) -> dict[str, Any]:
     if not path:
         raise UserError("model.weights=pretrained needs model.path=/local/diffusers/dir")
-    index = Path(path).expanduser() / MODEL_INDEX
-    if not index.is_file():
-        raise UserError(f"model.path={path}: no {MODEL_INDEX} there (not a local diffusers pipeline directory; save "
-                        "one with pipeline.save_pretrained(dir, safe_serialization=True))")
-    return _read(index)
+    folder = Path(path).expanduser()
+    why = pipeline_dir_problem(folder)
+    if why:
+        raise UserError(f"model.path={path}: {why}")
+    return _read(folder / MODEL_INDEX)
+
+
+def pipeline_dir_problem(folder: Path) -> str | None:
+    """Why `folder` is not a local diffusers pipeline directory, and what to give instead; None if it is one."""
+    if (folder / MODEL_INDEX).is_file():
+        return None
+    if (folder.parent / MODEL_INDEX).is_file() and (folder / "config.json").is_file():
+        return (f"this is the '{folder.name}' folder of the pipeline directory {folder.parent}: give "
+                f"model.path={folder.parent}")
+    if not folder.exists():
+        try:
+            hub = folder.relative_to(Path.cwd()) if folder.is_absolute() else folder
+        except ValueError:
+            hub = None
+        if hub is not None and len(hub.parts) == 2 and not folder.parent.exists():  # organisation/model
+            return (f"no such directory; a model is read from a local folder, nothing is downloaded: fetch "
+                    f"{hub.as_posix()} where there is internet (`hf download {hub.as_posix()} --local-dir DIR`) and "
+                    "give model.path=DIR")
+        return "no such directory"
+    if not folder.is_dir():
+        return ("a file, not a local diffusers pipeline directory (model_index.json plus a folder per component, as "
+                "pipeline.save_pretrained(dir, safe_serialization=True) writes; single-file checkpoints are not read)")
+    return (f"no {MODEL_INDEX} there: not a local diffusers pipeline directory (save one with "
+            "pipeline.save_pretrained(dir, safe_serialization=True))")
 
 
 def _read(path: Path) -> dict[str, Any]:

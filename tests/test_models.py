@@ -108,14 +108,24 @@ def test_unsupported_pipeline_class_names_the_supported_ones(tmp_path):
     assert all(family in message for family in FAMILIES)
 
 
-def test_directory_without_model_index_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="has no model_index.json: not a diffusers pipeline directory"):
-        model_limits(pretrained(tmp_path))
-    with pytest.raises(ValueError, match="no such directory"):
-        model_limits(pretrained(tmp_path / "absent"))
+def test_a_model_path_that_is_not_a_pipeline_directory_says_what_to_give(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pipe = tmp_path / "pipe"
+    (pipe / "transformer").mkdir(parents=True)
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "PixArtSigmaPipeline"}))
+    (pipe / "transformer" / "config.json").write_text("{}")
     (tmp_path / "model.ckpt").write_bytes(b"\x80")
-    with pytest.raises(ValueError, match="is a file; expected a local diffusers pipeline directory"):
-        model_limits(pretrained(tmp_path / "model.ckpt"))
+    (tmp_path / "empty").mkdir()
+    for path, said in ((tmp_path / "empty", "no model_index.json there: not a local diffusers pipeline directory"),
+                       (tmp_path / "absent", "no such directory$"),
+                       ("PixArt-alpha/PixArt-Sigma-XL-2-1024-MS", "no such directory; a model is read from a local folder, nothing is downloaded: fetch PixArt-alpha/PixArt-Sigma-XL-"
+                        "2-1024-MS where there is internet \\(`hf download PixArt-alpha/PixArt-Sigma-XL-2-1024-MS --local-dir "
+                        "DIR`\\) and give model.path=DIR"),
+                       (tmp_path / "model.ckpt", "a file, not a local diffusers pipeline directory .*single-file"),
+                       (pipe / "transformer", f"this is the 'transformer' folder of the pipeline directory {pipe}: give "
+                        f"model.path={pipe}$")):
+        with pytest.raises(ValueError, match=f"model.path=.*: {said}"):
+            model_limits(pretrained(path))
 
 
 def test_pretrained_needs_a_path():

@@ -22,8 +22,8 @@ import torch
 from packaging import version
 
 from pipeline.errors import UserError, not_accepted
+from pipeline.model_info import MODEL_INDEX, pipeline_dir_problem
 
-MODEL_INDEX = "model_index.json"
 LIBRARIES = ("diffusers", "transformers")  # the only packages a directory's components may come from
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 INIT_DEVICES = ("cpu", "target")
@@ -77,20 +77,10 @@ def read_pipeline_dir(path: str | os.PathLike, pipelines: dict[str, str]) -> Sou
     """
     root = Path(path).expanduser()
     where = f"model.path={os.fspath(path)}"
-    if not root.exists():
-        raise UserError(f"{where}: no such directory")
-    if not root.is_dir():
-        raise UserError(
-            f"{where} is a file; expected a local diffusers pipeline directory (model_index.json plus one "
-            "folder per component, as pipeline.save_pretrained(dir, safe_serialization=True) writes). "
-            "Single-file checkpoints are not supported."
-        )
+    why = pipeline_dir_problem(root)
+    if why:
+        raise UserError(f"{where}: {why}")
     index_file = root / MODEL_INDEX
-    if not index_file.is_file():
-        raise UserError(
-            f"{where} has no {MODEL_INDEX}: not a diffusers pipeline directory (save one with "
-            "pipeline.save_pretrained(dir, safe_serialization=True))"
-        )
     index = _read_json(index_file)
     pipeline = index.get("_class_name")
     if pipeline not in pipelines:
