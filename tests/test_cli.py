@@ -278,6 +278,8 @@ def test_help_shows_usage_and_groups_not_the_models_architecture(tmp_path):
         assert usage in text
     assert re.search(r"^job: bench, dataset, demo, nightly$", text, flags=re.M)
     assert re.search(r"^model: .*tiny", text, flags=re.M) and re.search(r"^bcg/ladder: ", text, flags=re.M)
+    launchers = ", ".join(sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml")))
+    assert re.search(rf"^hydra/launcher: {launchers}$", text, flags=re.M) and "hydra/launcher=local_gpus" in text
     assert all(re.search(rf"^\s+{int(code)}  ", text, flags=re.M) for code in ExitCode)
     assert "num_layers" not in text and "caption_channels" not in text
 
