@@ -342,7 +342,9 @@ one_job() {
   cp /tmp/bench-$name/stats.json "$BENCH_OUT/${name}_stats.json" 2>/dev/null; cp /tmp/bench-$name/bench.json "$BENCH_OUT/${name}_bench.json" 2>/dev/null
   bench_summary "$name: the process took $(since $start) s" $code "$BENCH_OUT/$name.log"
   python3 -c "import sys; from pipeline.report import RunReport; s=RunReport.read(sys.argv[1]); print('startup_s', s.startup_s, 'decoder_first_pass_s', s.kernels.get('decoder_first_pass_s'), 'cache_hits', s.kernels.get('cache_hits'))" /tmp/bench-$name/stats.json 2>/dev/null
-  [ ${#prof[@]} = 0 ] || python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(r'pipeline|bcg|diffusers|transformers|torch/(cuda|_dynamo/aot|_inductor/codecache)', 45)" "$BENCH_OUT/$name.prof" 2>&1 | grep -E '^ +[0-9]' | cut -c1-180 > "$BENCH_OUT/$name.prof.txt"
+  [ ${#prof[@]} = 0 ] || python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1])
+s.sort_stats('cumulative').print_stats(r'pipeline|bcg|diffusers|transformers|torch/(cuda|_dynamo/aot|_inductor/codecache)', 50)
+s.sort_stats('tottime').print_stats(30)" "$BENCH_OUT/$name.prof" 2>&1 | grep -E '^ +[0-9]' | cut -c1-200 > "$BENCH_OUT/$name.prof.txt"
 }
 
 fp8_1000() {  # the 1,000-row bench's images/s in float8 against the fast plan's, and the images' PSNR
