@@ -263,9 +263,19 @@ def check_manifest_file(path: str | os.PathLike) -> None:
 
 def _check_path(path: str | os.PathLike) -> None:
     if os.path.isdir(path):
-        raise _fail(path, "is a directory; expected one Parquet file")
+        raise _fail(path, "is a directory; expected one Parquet file (its rows are numbered in error messages)"
+                    + _joined_hint(Path(path)))
     if not os.path.exists(path):
         raise _fail(path, "file not found")
+
+
+def _joined_hint(folder: Path) -> str:
+    """For a folder of Parquet files (a partitioned write): the pyarrow line that joins them, in file-name order."""
+    if not any(folder.glob("*.parquet")):
+        return ""
+    joined = str(folder.parent / f"{folder.name}.parquet")
+    return (f"; to join its Parquet files in file-name order: python -c \"import pyarrow.parquet as pq; "
+            f"pq.write_table(pq.read_table({str(folder)!r}), {joined!r})\" and run with manifest.path={joined}")
 
 
 def _load_table(path: str | os.PathLike) -> pa.Table:

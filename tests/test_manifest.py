@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -290,10 +293,20 @@ def test_missing_file(tmp_path: Path) -> None:
     assert str(path) in str(info.value)
 
 
-def test_directory_is_refused(tmp_path: Path) -> None:
+def test_a_directory_is_refused_and_one_of_parquet_files_gets_the_line_that_joins_them(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="is a directory") as info:
         read(tmp_path)
-    assert str(tmp_path) in str(info.value)
+    assert str(tmp_path) in str(info.value) and "to join" not in str(info.value)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write(parts, {**BASE, "id": ["c", "d"]}, "part-1.parquet")  # written first, joined second: file-name order
+    write(parts, BASE, "part-0.parquet")
+    with pytest.raises(ManifestError, match="to join its Parquet files") as info:
+        read(parts)
+    line = re.search(r'python -c "(.*)" and run with manifest.path=(\S+)$', str(info.value))
+    subprocess.run([sys.executable, "-c", line.group(1)], check=True, cwd=tmp_path)
+    items, bad = read(Path(line.group(2)))
+    assert [item.id for item in items] == ["cat_01", "dog_02", "c", "d"] and bad == []
 
 
 @pytest.mark.parametrize("content", [b"id,prompt\nx,y\n" * 20, b""], ids=["csv", "empty"])
