@@ -38,7 +38,8 @@ from pipeline.kernels.decoder import padding_note as decoder_padding_note
 from pipeline.fsutil import atomic_write_table
 from pipeline.guard import Interrupted, JobLock, StopSignals, remove_stale_tmp
 from pipeline.ladder import LadderDecision, calibrate_ladder, resolve_ladder
-from pipeline.manifest import BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, scan_manifest
+from pipeline.manifest import (BadRow, Manifest, ManifestError, errors_table, extra_schema, format_bad_rows, row_places,
+                               scan_manifest)
 from pipeline.merge import PARTS_DIR, STATS, SUCCESS, IncompleteError, merge, part_path
 from pipeline.models import (attention_pixels, build_model, check_items, check_memory, model_labels, model_limits,
                              model_source, runs_cfg, with_guidance)
@@ -316,7 +317,7 @@ def read_valid_manifest(cfg: JobConfig) -> tuple[Manifest, list[BadRow], pa.Sche
         )
     if bad and cfg.manifest.on_invalid == "error":
         raise ManifestError(
-            format_bad_rows(bad, source=str(cfg.manifest.path))
+            format_bad_rows(bad, source=str(cfg.manifest.path), place=row_places(cfg.manifest.path))
             + "\nNothing was generated. Fix these rows, or pass manifest.on_invalid=skip to generate the rest."
         )
     return manifest, bad, extras

@@ -209,17 +209,20 @@ class Manifest:
         return Manifest(self.table, self.rows[keep], self.heights[keep], self.widths[keep])
 
 
-def format_bad_rows(bad: list[BadRow], limit: int = 50, source: str = "manifest") -> str:
+def format_bad_rows(bad: list[BadRow], limit: int = 50, source: str = "manifest",
+                    place: Callable[[int], str] | None = None) -> str:
     """One message listing bad rows, cut after `limit` lines so a million of them stay readable.
 
-    `source` (usually the manifest path) heads the message so the user knows which file to fix.
+    `source` (usually the manifest path) heads the message so the user knows which file to fix;
+    `place` (`row_places`, a folder of files) names the file and its row beside each row number.
     """
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     lines = [f"{source} has {len(bad)} bad row(s):"]
     for entry in bad[:limit]:
         who = f"id {show_text(entry.id)}" if entry.id is not None else "no valid id"
-        lines.append(f"  row {entry.row} ({who}): {'; '.join(entry.reasons)}")
+        where = f"{place(entry.row)}, " if place is not None else ""
+        lines.append(f"  row {entry.row} ({where}{who}): {'; '.join(entry.reasons)}")
     if len(bad) > limit:
         lines.append(f"  ... and {len(bad) - limit} more")
     return "\n".join(lines)
@@ -252,39 +255,87 @@ def _fail(path: str | os.PathLike, problem: str) -> ManifestError:
 
 
 def check_manifest_file(path: str | os.PathLike) -> None:
-    """The whole-file checks that need only the Parquet footer: the file exists, is Parquet, has the
-    required columns with accepted types, and has rows. Cheap (no row is read), so the CLI names a
-    wrong path or file before anything else runs; `read_manifest` makes them again, then checks rows."""
-    _check_path(path)
-    with _reading(path):
-        metadata = pq.read_metadata(os.fspath(path))
-    _check_schema(metadata.schema.to_arrow_schema(), metadata.num_rows, path)
+    """The whole-file checks that need only the Parquet footers: the file (or the folder's files)
+    exists, is Parquet, has the required columns with accepted types, and has rows. Cheap (no row is
+    read), so the CLI names a wrong path or file before anything else runs; `read_manifest` makes them
+    again, then checks rows."""
+    files = manifest_files(path)
+    footers = []
+    for file in files:
+        with _reading(file):
+            footers.append(pq.read_metadata(os.fspath(file)))
+    schemas = [footer.schema.to_arrow_schema() for footer in footers]
+    _check_same_columns(files, schemas)
+    _check_schema(schemas[0], sum(footer.num_rows for footer in footers), path)
 
 
-def _check_path(path: str | os.PathLike) -> None:
-    if os.path.isdir(path):
-        raise _fail(path, "is a directory; expected one Parquet file (its rows are numbered in error messages)"
-                    + _joined_hint(Path(path)))
-    if not os.path.exists(path):
+def manifest_files(path: str | os.PathLike) -> list[Path]:
+    """The Parquet files `path` names: itself, or a folder's `*.parquet` files (a partitioned write, as
+    Spark, pandas and pyarrow make one; names starting with `.` or `_` left out, as pyarrow does) in
+    file-name order, in which their rows are numbered on from one file to the next."""
+    path = Path(path)
+    if not path.exists():
         raise _fail(path, "file not found")
+    if not path.is_dir():
+        return [path]
+    entries = sorted(entry for entry in path.iterdir() if not entry.name.startswith((".", "_")))
+    nested = [entry.name for entry in entries if entry.is_dir() and any(entry.rglob("*.parquet"))]
+    if nested:
+        raise _fail(path, f"holds Parquet files in folders ({', '.join(nested[:3])}{', ...' if len(nested) > 3 else ''}): "
+                          "values in folder names (partition columns) are not read; give a Parquet file, or a folder "
+                          "with its Parquet files directly in it")
+    files = [entry for entry in entries if entry.suffix == ".parquet" and entry.is_file()]
+    if not files:
+        raise _fail(path, "a folder with no .parquet file in it; expected a Parquet file or a folder of them")
+    return files
 
 
-def _joined_hint(folder: Path) -> str:
-    """For a folder of Parquet files (a partitioned write): the pyarrow line that joins them, in file-name order."""
-    if not any(folder.glob("*.parquet")):
-        return ""
-    joined = str(folder.parent / f"{folder.name}.parquet")
-    return (f"; to join its Parquet files in file-name order: python -c \"import pyarrow.parquet as pq; "
-            f"pq.write_table(pq.read_table({str(folder)!r}), {joined!r})\" and run with manifest.path={joined}")
+def _check_same_columns(files: list[Path], schemas: list[pa.Schema]) -> None:
+    """A folder's files must have one set of columns, in one order, of one type each (whether a column
+    may hold nulls aside), to be read as one manifest."""
+    first = _columns(schemas[0])
+    for file, schema in zip(files[1:], schemas[1:]):
+        if not _columns(schema).equals(first):
+            ours, theirs = dict(zip(first.names, first.types)), dict(zip(schema.names, schema.types))
+            differ = [f"{name} ({ours.get(name, 'absent')} there, {theirs.get(name, 'absent')} here)"
+                      for name in dict.fromkeys([*first.names, *schema.names]) if ours.get(name) != theirs.get(name)]
+            raise _fail(file, f"its columns differ from those of {files[0].name}, the folder's first file: "
+                              f"{', '.join(differ) or 'their order'}; the files of a folder are read as one table")
+
+
+def _columns(schema: pa.Schema) -> pa.Schema:
+    """A schema's names and types: every column nullable, no metadata (what one writer's files may differ in)."""
+    return pa.schema([field.with_nullable(True) for field in schema]).remove_metadata()
+
+
+def row_places(path: str | os.PathLike) -> Callable[[int], str] | None:
+    """For a folder of Parquet files: row number (across the files) -> "file row n", read from the
+    footers; None for one file, whose row numbers need no file."""
+    files = manifest_files(path)
+    if len(files) == 1:
+        return None
+    starts = np.cumsum([0] + [pq.read_metadata(os.fspath(file)).num_rows for file in files])
+
+    def place(row: int) -> str:
+        k = int(np.searchsorted(starts, row, side="right")) - 1
+        return f"{files[k].name} row {row - starts[k]}"
+
+    return place
 
 
 def _load_table(path: str | os.PathLike) -> pa.Table:
-    """Read one Parquet file; a directory is refused because row numbers must name one file."""
-    _check_path(path)
-    with _reading(path):
-        # ParquetFile, not read_table: no dataset layer, which would read a directory, treat the
-        # path as a URI and fail on a repeated column name before we can name it.
-        return pq.ParquetFile(os.fspath(path)).read()
+    """Read the manifest: one Parquet file, or a folder's files one after another (`manifest_files`)."""
+    files = manifest_files(path)
+    tables = []
+    for file in files:
+        with _reading(file):
+            # ParquetFile, not read_table: no dataset layer, which would treat the path as a URI and
+            # fail on a repeated column name before we can name it.
+            tables.append(pq.ParquetFile(os.fspath(file)).read())
+    if len(tables) == 1:
+        return tables[0]
+    _check_same_columns(files, [table.schema for table in tables])
+    return pa.concat_tables([table.cast(_columns(tables[0].schema)) for table in tables])
 
 
 # text formats a manifest is often kept in -> how pyarrow reads one (its text columns as strings, so
@@ -389,7 +440,7 @@ def _extra_names(schema: pa.Schema) -> list[str]:
 
 def extra_schema(path: str | os.PathLike) -> pa.Schema:
     """Schema of the extra columns, so every output shard has the same columns and types."""
-    schema = pq.read_schema(os.fspath(path))
+    schema = pq.read_schema(os.fspath(manifest_files(path)[0]))
     return pa.schema([schema.field(name) for name in _extra_names(schema)])
 
 

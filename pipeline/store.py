@@ -132,13 +132,22 @@ def stamp(fs: Any, path: str) -> list[Any]:
 
 
 def manifest_stamp(path: str) -> list[Any]:
-    """The manifest's identity for `_SUCCESS`'s job key: [path, size, version]; OSError if it is not there."""
+    """The manifest's identity for `_SUCCESS`'s job key: [path, size, version] ([path, [[name, size, version],
+    ...]] for a folder of Parquet files); OSError if it is not there."""
     if is_url(path):
         fs, inner = open_store("manifest.path", path)
         try:
             return [path, *stamp(fs, inner)]
         except FileNotFoundError as err:
             raise OSError(str(err)) from None
+    if Path(path).is_dir():  # a folder of Parquet files: each file's (a part rewritten in place leaves the folder's alone)
+        from pipeline.manifest import ManifestError, manifest_files
+
+        try:
+            files = manifest_files(path)
+        except ManifestError as err:
+            raise OSError(str(err)) from None
+        return [str(path), [[file.name, file.stat().st_size, file.stat().st_mtime_ns] for file in files]]
     st = Path(path).stat()
     return [str(path), st.st_size, st.st_mtime_ns]
 
@@ -153,6 +162,9 @@ def fetch_manifest(url: str) -> Path:
         raise UserError(f"manifest.path={url}: no such object ({err})") from None
     except access_errors() as err:
         raise refused("manifest.path", url, "reading the manifest", err) from None
+    if version[0] in (None, 0) and fs.isdir(path):
+        raise UserError(f"manifest.path={url} is a folder: a manifest in a store is one Parquet file (a local folder of "
+                        "Parquet files is read as one manifest)")
     local = stage_root() / "manifests" / f"{url_dir(url + repr(version))}.parquet"
     if not local.is_file():
         local.parent.mkdir(parents=True, exist_ok=True)

@@ -177,6 +177,8 @@ def test_a_store_that_refuses_or_does_not_answer_is_one_line_at_start_and_an_exi
         run_shard(cpu_job(manifest, "s3://nobucket/ds"), None)
     with pytest.raises(UserError, match=r"manifest.path=s3://nobucket/m.parquet: no such object \(.*bucket"):
         fetch_manifest("s3://nobucket/m.parquet")
+    with pytest.raises(UserError, match=r"manifest.path=s3://data/in is a folder: a manifest in a store is one Parquet"):
+        fetch_manifest("s3://data/in")
 
     # a store that stops answering: every upload refused from the job's first on
     async def unreachable(*args, **kwargs):

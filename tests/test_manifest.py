@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -19,10 +16,13 @@ from pipeline.manifest import (
     BadRow,
     Item,
     ManifestError,
+    check_manifest_file,
     errors_table,
     format_bad_rows,
     read_manifest,
+    row_places,
 )
+from pipeline.store import manifest_stamp
 
 GRANULARITY = 16
 MAX_SIDE = 2048
@@ -293,20 +293,37 @@ def test_missing_file(tmp_path: Path) -> None:
     assert str(path) in str(info.value)
 
 
-def test_a_directory_is_refused_and_one_of_parquet_files_gets_the_line_that_joins_them(tmp_path: Path) -> None:
-    with pytest.raises(ManifestError, match="is a directory") as info:
-        read(tmp_path)
-    assert str(tmp_path) in str(info.value) and "to join" not in str(info.value)
+def test_a_folder_of_parquet_files_is_one_manifest_in_file_name_order(tmp_path: Path) -> None:
+    """A partitioned write (Spark's part files, its _SUCCESS) reads as one table, rows numbered across the files
+    in file-name order, each bad row named with its file; files that disagree, folders of folders and a folder
+    without Parquet files are refused by name; rewriting a part in place changes the job's manifest stamp."""
     parts = tmp_path / "parts"
     parts.mkdir()
-    write(parts, {**BASE, "id": ["c", "d"]}, "part-1.parquet")  # written first, joined second: file-name order
+    (parts / "_SUCCESS").write_text("")
+    write(parts, {**BASE, "id": ["c", "d"], "width": [512, 100]}, "part-1.parquet")  # written first, read second
     write(parts, BASE, "part-0.parquet")
-    with pytest.raises(ManifestError, match="to join its Parquet files") as info:
+    items, bad = read(parts)
+    assert [item.id for item in items] == ["cat_01", "dog_02", "c"] and [(b.row, b.id) for b in bad] == [(3, "d")]
+    assert "row 3 (part-1.parquet row 1, id 'd'): width 100" in format_bad_rows(bad, place=row_places(parts))
+    check_manifest_file(parts)
+    stamp = manifest_stamp(str(parts))
+    write(parts, {**BASE, "id": ["c", "a_longer_id"]}, "part-1.parquet")  # another size: mtimes may be coarse
+    assert manifest_stamp(str(parts)) != stamp
+    write(parts, {**BASE, "width": [512.0, 256.0]}, "part-2.parquet")
+    for check in (read, check_manifest_file):
+        with pytest.raises(ManifestError, match=r"part-2.parquet: its columns differ from those of part-0.parquet, "
+                                                r"the folder's first file: width \(int64 there, double here\)"):
+            check(parts)
+    (parts / "part-2.parquet").unlink()
+    (parts / "date=1").mkdir()
+    write(parts / "date=1", BASE, "x.parquet")
+    with pytest.raises(ManifestError, match=r"holds Parquet files in folders \(date=1\): values in folder names"):
         read(parts)
-    line = re.search(r'python -c "(.*)" and run with manifest.path=(\S+)$', str(info.value))
-    subprocess.run([sys.executable, "-c", line.group(1)], check=True, cwd=tmp_path)
-    items, bad = read(Path(line.group(2)))
-    assert [item.id for item in items] == ["cat_01", "dog_02", "c", "d"] and bad == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("")
+    with pytest.raises(ManifestError, match="a folder with no .parquet file in it"):
+        read(empty)
 
 
 @pytest.mark.parametrize("content", [b"id,prompt\nx,y\n" * 20, b""], ids=["csv", "empty"])
