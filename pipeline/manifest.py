@@ -351,8 +351,11 @@ TEXT_READERS = {
 
 
 def convert_hint(path: str | os.PathLike) -> str:
-    """How to convert a manifest kept as CSV, TSV or JSON Lines (by its suffix) to Parquet; "" otherwise."""
+    """How to convert a manifest kept as CSV, TSV, JSON Lines or a list of prompts (by its suffix) to Parquet;
+    "" otherwise."""
     path = Path(path)
+    if path.suffix.lower() == ".txt":
+        return _prompt_list_hint(path)
     reader = TEXT_READERS.get(path.suffix.lower())
     if reader is None:
         return ""
@@ -361,6 +364,16 @@ def convert_hint(path: str | os.PathLike) -> str:
     return (f"; it looks like {path.suffix[1:].upper()}: convert it with `import pyarrow, pyarrow.csv, pyarrow.json, "
             f"pyarrow.parquet; TEXT = {{{text}}}; pyarrow.parquet.write_table({reader.format(name=str(path))}, "
             f"{str(path.with_suffix('.parquet'))!r})`")
+
+
+def _prompt_list_hint(path: Path) -> str:
+    """How to make a manifest of a text file of prompts, one a line."""
+    lines = f"[line.rstrip('\\r\\n') for line in open({str(path)!r}, encoding='utf-8') if line.strip()]"
+    table = ("pyarrow.table({'id': [f'{i:08d}' for i in range(n)], 'prompt': p, 'width': [1024] * n, "
+             "'height': [1024] * n, 'seed': list(range(n))})")
+    return (f"; it looks like a list of prompts, one a line: convert it with `import pyarrow, pyarrow.parquet; "
+            f"p = {lines}; n = len(p); pyarrow.parquet.write_table({table}, {str(path.with_suffix('.parquet'))!r})` "
+            "(ids and seeds numbered from 0, every image 1024 x 1024: change what your model needs)")
 
 
 PROMPT_NAMES = ("caption", "text", "prompts", "positive_prompt")  # what a prompt column is often called

@@ -357,6 +357,21 @@ def test_a_manifest_kept_as_text_is_refused_with_the_command_that_converts_it(tm
     assert (items["b"].prompt, items["b"].width, items["b"].height) == ("3", 64, 32)
 
 
+def test_a_list_of_prompts_gets_the_command_that_makes_a_manifest_of_it(tmp_path, monkeypatch):
+    """One prompt a line (blank lines skipped, Windows line ends too): the command in the refusal writes a
+    manifest of them beside the file, ids and seeds numbered, that reads clean."""
+    (tmp_path / "prompts.txt").write_bytes(b"a cat on a mat\r\n\n7\n")
+    with pytest.raises(ManifestError, match=r"a list of prompts, one a line: convert it with `") as info:
+        read(tmp_path / "prompts.txt")
+    command = str(info.value).split("convert it with `", 1)[1].split("`", 1)[0]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    exec(command, {})
+    found, bad = read(tmp_path / "prompts.parquet")
+    assert bad == [] and [(it.id, it.prompt, it.width, it.seed) for it in found] == [
+        ("00000000", "a cat on a mat", 1024, 0), ("00000001", "7", 1024, 1)]
+
+
 @pytest.mark.parametrize("columns, ids, seeds", ids=["no-seed", "no-id", "caption", "numeric-id", "prompts-only"], argvalues=[
     ({k: v for k, v in BASE.items() if k != "seed"}, None, [0, 1]),
     ({k: v for k, v in BASE.items() if k != "id"}, ["00000000", "00000001"], None),
