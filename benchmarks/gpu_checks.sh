@@ -91,12 +91,15 @@
 #                                                # SHARDS_ARGS=--shared-cache: the shards load the first run's tuned kernels;
 #                                                # SHARDS_ARGS="--launcher ray": cluster=ray, a Ray task per GPU, needs .[ray])
 #   bash benchmarks/gpu_checks.sh alone          # jobs run alone in a venv of the package's requirements only
-#     (PROFILE_JOBS="alone_pixart_warm alone_flux_warm": those jobs under cProfile, NAME.prof and NAME.prof.txt)
 #                                                # (benchmarks/lean_venv.py: a user's fresh venv): PixArt-Sigma's 200 rows
 #                                                # cold, then warm (a cache bench_tiny's 60 rows wrote); FLUX.1-dev float8
 #                                                # on flux_1024's 8 rows cold, then the 24 aspect rows warm: each job's start-up stages
 #                                                # (after the stage bytecode where the packages lack it; ALONE_MODELS=pixart: those only;
 #                                                # after the stage baseline-200, PixArt's jobs against its saved diffusers run)
+#   bash benchmarks/gpu_checks.sh startup-profile  # where a warm start goes: the warm PixArt and Flux jobs of `alone`
+#                                                # (on its caches, else filled here) under cProfile, stopped after their
+#                                                # first batch; NAME.prof and NAME.prof.txt, the heaviest calls
+#                                                # (PROFILE_JOBS="a b": any one_job jobs of those names under cProfile)
 # The benchmark steps run under a hard time limit (timeout -s KILL: a compile can outlast a polite SIGTERM,
 # the job finishes its step first); the *_LIMIT variables below change them.
 # KERNELS is split on spaces: each override must be one word (no spaces inside, e.g. bcg.ladder=[1,2,4]).
@@ -390,6 +393,19 @@ alone() {  # jobs run alone, as a user's fresh venv runs them: process start to 
   unset JOB_PYTHON
 }
 
+startup_profile() {
+  [ -x /tmp/lean/bin/python ] || python3 benchmarks/lean_venv.py /tmp/lean > "$BENCH_OUT/lean_venv.log" 2>&1
+  local pixart=(+job=bench bench.baseline=false manifest.path=jobs/manifests/bench_small.parquet)
+  local flux=(+job=bench bench.baseline=false model=flux_dev precision=fp8)
+  export JOB_PYTHON="env -u PYTHONPATH /tmp/lean/bin/python"
+  [ -d /tmp/alone-cache-pixart ] || one_job alone_pixart_fill /tmp/alone-cache-pixart +job=bench bench.baseline=false manifest.path=jobs/manifests/bench_tiny.parquet
+  [ -d /tmp/alone-cache-flux ] || one_job alone_flux_cold /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_1024.parquet
+  PROFILE_JOBS="prof_pixart_warm prof_flux_warm" BCG_STOP_AFTER_BATCHES=1 one_job prof_pixart_warm /tmp/alone-cache-pixart "${pixart[@]}"
+  PROFILE_JOBS="prof_pixart_warm prof_flux_warm" BCG_STOP_AFTER_BATCHES=1 one_job prof_flux_warm /tmp/alone-cache-flux "${flux[@]}" manifest.path=jobs/manifests/flux_aspects.parquet
+  local f; for f in "$BENCH_OUT"/prof_*.prof.txt; do echo "== $f"; head -30 "$f" | cut -c1-150; done
+  unset JOB_PYTHON
+}
+
 profile() {
   local m p
   for m in ${PROFILE_MODELS:-sd3_medium sd35_large flux_dev}; do
@@ -460,6 +476,7 @@ for what in "${@:-cuda-tests}"; do
     sweep) sweep ;;
     profile) profile ;;
     alone) alone ;;
+    startup-profile) startup_profile ;;
     shards) shards ;;
     *) echo "== unknown stage $what: choose one named at the top of $0"; fail=1 ;;
   esac
