@@ -161,7 +161,9 @@ def merge(out_dir: Path, count: int | None = None) -> RunReport:
 def main(argv: list[str]) -> int:
     dirs = [a.split("=", 1)[1] for a in argv if a.startswith("output.dir=")]
     if len(dirs) != 1 or len(argv) != 1:
-        print("usage: python -m pipeline.merge output.dir=DIR", file=sys.stderr)
+        bare = argv[0] if len(argv) == 1 and "=" not in argv[0] and not argv[0].startswith("-") else None
+        hint = f" (did you mean output.dir={bare}?)" if bare else ""
+        print(f"usage: python -m pipeline.merge output.dir=DIR{hint}", file=sys.stderr)
         return ExitCode.USER_ERROR
     from pipeline.launch import merge_any
     from pipeline.store import is_url, local_path

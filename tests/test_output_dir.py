@@ -183,9 +183,11 @@ def test_a_conflict_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
 # ---- python -m pipeline.merge -----------------------------------------------------------------
 
 
-def test_merge_on_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
+def test_merge_on_a_directory_that_does_not_exist_or_given_bare_says_so(tmp_path, capsys):
     assert merge_main([f"output.dir={tmp_path / 'nope'}"]) == ExitCode.USER_ERROR
     assert capsys.readouterr().err == f"error: output.dir={tmp_path / 'nope'}: no such directory\n"
+    assert merge_main([str(tmp_path)]) == ExitCode.USER_ERROR  # the directory without its key
+    assert capsys.readouterr().err == f"usage: python -m pipeline.merge output.dir=DIR (did you mean output.dir={tmp_path}?)\n"
 
 
 def test_merge_of_parts_with_different_shard_counts_is_one_line_naming_them(tmp_path, capsys):
