@@ -81,6 +81,24 @@ def unknown(what: str, name: str, known: Iterable[str], *, of: str = "", hint: s
     return UserError(f"unknown {what} '{name}'{where}; " + (f"did you mean '{near}'?" if near else hint))
 
 
+MANIFEST_SUFFIXES = (".parquet", ".csv", ".tsv", ".jsonl", ".txt")  # a bare file name of these: a manifest meant
+
+
+def unknown_flags(argv: Sequence[str], left: Sequence[str]) -> UserError:
+    """What the command line's parser left unread (`left`) of `argv`: an override written as a flag
+    (`--manifest.path=p`), a flag Hydra does not have, or overrides after a flag among them (Hydra's
+    parser reads the overrides once, up to the first flag: `+job=demo -m x=1` leaves `x=1`)."""
+    dashed = [token for token in left if token.startswith("-")]
+    if not dashed:
+        flags = [token for token in argv if token.startswith("-")]
+        return UserError(f"the flags ({', '.join(flags)}) go before the overrides: after a flag the overrides are not "
+                         f"read (here {', '.join(repr(token) for token in left)}); e.g. `bcg-datagen -m +job=... key=value`")
+    key = dashed[0].lstrip("-")
+    if "=" in key or "." in key:
+        return UserError(f"unknown flag {dashed[0]!r}: overrides take no dashes, e.g. {key}; `--help` lists the flags")
+    return UserError(f"unknown flag {dashed[0]!r}; `--help` lists the flags (-m for a sweep, --cfg job, ...)")
+
+
 def parse(overrides: Sequence[str]) -> list[Override]:
     parser = OverridesParser.create()
     parsed = []
@@ -90,8 +108,10 @@ def parse(overrides: Sequence[str]) -> list[Override]:
         except OverrideParseException as err:
             tilde = "=" in line and "~" in line.split("=", 1)[1]  # Hydra's grammar takes ~ only quoted
             home = " (a value with ~ in it is quoted: 'output.dir=\"~/ds\"')" if tilde else ""
+            manifest = "=" not in line and Path(line).suffix.lower() in MANIFEST_SUFFIXES
+            named = f"; did you mean manifest.path={line}?" if manifest else ""
             raise UserError(f"cannot read the override {line!r}: {str(err).splitlines()[0]} "
-                            f"(key=value, +key=value to add, ~key to delete){home}") from None
+                            f"(key=value, +key=value to add, ~key to delete){home}{named}") from None
     return parsed
 
 

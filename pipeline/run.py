@@ -45,7 +45,7 @@ try:  # a Ctrl-C while these load (hydra's import is most of the command's first
     from pipeline.guard import Interrupted, interrupts_remembered
     from pipeline.kept_model import KeptModel
     from pipeline.launch import finished, launch
-    from pipeline.overrides import check_overrides, first_job, group_choice, unknown
+    from pipeline.overrides import check_overrides, first_job, group_choice, unknown, unknown_flags
     from pipeline.paths import CONF_DIR, absolute, check_writable_dir
     from pipeline.preflight import check_launcher, check_run
 
@@ -93,7 +93,9 @@ def cli() -> None:
 def preflight(argv: list[str]) -> None:
     """Check the overrides; for a single run also compose the config and check it as the job will,
     so that a mistake leaves no directory behind (and no file in output.dir)."""
-    args = get_args_parser().parse_args(argv)
+    args, left = get_args_parser().parse_known_args(argv)
+    if left:
+        raise unknown_flags(argv, left)
     config_dirs = [CONF_DIR] + ([Path(args.config_dir)] if args.config_dir else [])
     check_overrides(args.overrides, config_dirs)
     elsewhere = args.multirun or args.config_dir or args.config_path or args.experimental_rerun

@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import REPO, imported, one_error_line, rows, run_cli, run_python, write_manifest
 from pipeline.config import resolve_job
+from pipeline.errors import UserError
 from pipeline.exit_codes import README_BEGIN, README_END, ExitCode
 from pipeline.guard import Interrupted, StopSignals, interrupts_remembered
 from pipeline.overrides import check_overrides, first_job
@@ -52,6 +53,24 @@ def test_a_mistake_in_the_command_fails_at_start_in_one_line(tmp_path, override,
     assert proc.returncode == ExitCode.USER_ERROR
     assert one_error_line(proc) == f"error: {message}"
     assert not list(tmp_path.iterdir())  # no run directory left behind
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["+job=demo", "--manifest.path=m.parquet"], "unknown flag '--manifest.path=m.parquet': overrides take no dashes, "
+                                                 "e.g. manifest.path=m.parquet"),
+    (["+job=demo", "--steps"], "unknown flag '--steps'; `--help` lists the flags"),
+    (["+job=demo", "-m", "bcg/ladder=pow2_8,one_8"], "the flags (-m) go before the overrides: after a flag the overrides "
+                                                     "are not read (here 'bcg/ladder=pow2_8,one_8')"),
+    (["+job=dataset", "prompts.parquet"], "did you mean manifest.path=prompts.parquet?"),
+])
+def test_flags_where_overrides_go_and_a_bare_manifest_say_how_to_write_them(argv, message):
+    """Hydra's own parser ends these in its usage text and 'unrecognized arguments' (a flag after the overrides
+    leaves those after it unread); the command says what to write instead."""
+    from pipeline.run import preflight
+
+    with pytest.raises(UserError) as err:
+        preflight(argv)
+    assert message in str(err.value)
 
 
 def test_a_home_relative_output_dir_is_the_home_folder_for_hydras_files_too(tmp_path):
