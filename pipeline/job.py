@@ -179,7 +179,7 @@ def run_in_scope(cfg: JobConfig, resolved_config: dict[str, Any] | None, adapter
         todo = batches_left(setup.out_dir, planned, manifest, bad, fields, cfg.output, setup.shard)
 
         # 7. The bad rows' reasons; the temporary files of a process that died.
-        prepare_output(setup.out_dir, bad)
+        prepare_output(setup.out_dir, bad, row_places(cfg.manifest.path) if bad else None)
         stats.startup.lap("prepare")
 
         # 8. A finished job ends here, before any weights are loaded; so does a shard with no batch left and
@@ -355,11 +355,11 @@ def plan_ladder(decision: LadderDecision, manifest: Manifest, cfg: JobConfig, sh
     return ShardPlan(plan, mine)
 
 
-def prepare_output(out_dir: Path, bad: list[BadRow]) -> None:
-    """errors.parquet names this job's bad rows (one left by another manifest is removed); the
-    temporary files of a dead process are deleted."""
+def prepare_output(out_dir: Path, bad: list[BadRow], place: Callable[[int], tuple[str, int]] | None = None) -> None:
+    """errors.parquet names this job's bad rows (one left by another manifest is removed; `place`: a folder
+    manifest's file and row of each); the temporary files of a dead process are deleted."""
     if bad:
-        atomic_write_table(out_dir / ERRORS, errors_table(bad))
+        atomic_write_table(out_dir / ERRORS, errors_table(bad, place))
         log.warning("%d bad manifest rows skipped; reasons in %s", len(bad), out_dir / ERRORS)
     else:
         (out_dir / ERRORS).unlink(missing_ok=True)

@@ -210,7 +210,7 @@ class Manifest:
 
 
 def format_bad_rows(bad: list[BadRow], limit: int = 50, source: str = "manifest",
-                    place: Callable[[int], str] | None = None) -> str:
+                    place: Callable[[int], tuple[str, int]] | None = None) -> str:
     """One message listing bad rows, cut after `limit` lines so a million of them stay readable.
 
     `source` (usually the manifest path) heads the message so the user knows which file to fix;
@@ -221,30 +221,25 @@ def format_bad_rows(bad: list[BadRow], limit: int = 50, source: str = "manifest"
     lines = [f"{source} has {len(bad)} bad row(s):"]
     for entry in bad[:limit]:
         who = f"id {show_text(entry.id)}" if entry.id is not None else "no valid id"
-        where = f"{place(entry.row)}, " if place is not None else ""
+        where = "{} row {}, ".format(*place(entry.row)) if place is not None else ""
         lines.append(f"  row {entry.row} ({where}{who}): {'; '.join(entry.reasons)}")
     if len(bad) > limit:
         lines.append(f"  ... and {len(bad) - limit} more")
     return "\n".join(lines)
 
 
-def errors_table(bad: list[BadRow]) -> pa.Table:
-    """Every bad row as a table (row, id, reason) so a user can join it back onto the manifest."""
-    schema = pa.schema(
-        [
-            pa.field("row", pa.int64(), nullable=False),
-            pa.field("id", pa.string(), nullable=True),
-            pa.field("reason", pa.string(), nullable=False),
-        ]
-    )
-    return pa.Table.from_pydict(
-        {
-            "row": [entry.row for entry in bad],
-            "id": [entry.id for entry in bad],
-            "reason": ["; ".join(entry.reasons) for entry in bad],
-        },
-        schema=schema,
-    )
+def errors_table(bad: list[BadRow], place: Callable[[int], tuple[str, int]] | None = None) -> pa.Table:
+    """Every bad row as a table (row, id, reason) so a user can join it back onto the manifest; with
+    `place` (`row_places`, a folder of files) also each row's file and its row there (file, file_row)."""
+    fields = [pa.field("row", pa.int64(), nullable=False), pa.field("id", pa.string(), nullable=True),
+              pa.field("reason", pa.string(), nullable=False)]
+    columns = {"row": [entry.row for entry in bad], "id": [entry.id for entry in bad],
+               "reason": ["; ".join(entry.reasons) for entry in bad]}
+    if place is not None:
+        fields += [pa.field("file", pa.string(), nullable=False), pa.field("file_row", pa.int64(), nullable=False)]
+        places = [place(entry.row) for entry in bad]
+        columns.update(file=[name for name, _ in places], file_row=[row for _, row in places])
+    return pa.Table.from_pydict(columns, schema=pa.schema(fields))
 
 
 # ---- whole-file checks ----------------------------------------------------------------------
@@ -308,17 +303,17 @@ def _columns(schema: pa.Schema) -> pa.Schema:
     return pa.schema([field.with_nullable(True) for field in schema]).remove_metadata()
 
 
-def row_places(path: str | os.PathLike) -> Callable[[int], str] | None:
-    """For a folder of Parquet files: row number (across the files) -> "file row n", read from the
-    footers; None for one file, whose row numbers need no file."""
+def row_places(path: str | os.PathLike) -> Callable[[int], tuple[str, int]] | None:
+    """For a folder of Parquet files: row number (across the files) -> (file name, its row there), read
+    from the footers; None for one file, whose row numbers need no file."""
     files = manifest_files(path)
     if len(files) == 1:
         return None
     starts = np.cumsum([0] + [pq.read_metadata(os.fspath(file)).num_rows for file in files])
 
-    def place(row: int) -> str:
+    def place(row: int) -> tuple[str, int]:
         k = int(np.searchsorted(starts, row, side="right")) - 1
-        return f"{files[k].name} row {row - starts[k]}"
+        return files[k].name, int(row - starts[k])
 
     return place
 

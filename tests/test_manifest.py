@@ -305,6 +305,8 @@ def test_a_folder_of_parquet_files_is_one_manifest_in_file_name_order(tmp_path: 
     items, bad = read(parts)
     assert [item.id for item in items] == ["cat_01", "dog_02", "c"] and [(b.row, b.id) for b in bad] == [(3, "d")]
     assert "row 3 (part-1.parquet row 1, id 'd'): width 100" in format_bad_rows(bad, place=row_places(parts))
+    assert errors_table(bad, row_places(parts)).to_pylist() == [
+        {"row": 3, "id": "d", "reason": "width 100 is not a multiple of 16", "file": "part-1.parquet", "file_row": 1}]
     check_manifest_file(parts)
     stamp = manifest_stamp(str(parts))
     write(parts, {**BASE, "id": ["c", "a_longer_id"]}, "part-1.parquet")  # another size: mtimes may be coarse
