@@ -147,7 +147,7 @@ def manifest_stamp(path: str) -> list[Any]:
             files = manifest_files(path)
         except ManifestError as err:
             raise OSError(str(err)) from None
-        return [str(path), [[file.name, file.stat().st_size, file.stat().st_mtime_ns] for file in files]]
+        return [str(path), [[file.name, st.st_size, st.st_mtime_ns] for file in files for st in (file.stat(),)]]
     st = Path(path).stat()
     return [str(path), st.st_size, st.st_mtime_ns]
 
